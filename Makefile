@@ -1,0 +1,43 @@
+# Two commands for a newcomer: `make run` (set up, then the main job on the embedded
+# default) and `make test` (set up, then the test suite). Both are idempotent: set-up
+# is skipped while pyproject.toml is unchanged.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+# Without CUDA, pin the CPU build of torch (a bare `torch` pulls a multi-GB CUDA build).
+TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6,<3" || echo "torch==2.13.0")
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	@$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	@$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+run: setup
+	@S=$$($(BIN)/pie-media samples); \
+	$(BIN)/pie-media inspect --max-frames 4 $$S/images/photo_640x480.jpg $$S/images/rgba.png \
+		$$S/images/exif_rotated_6.jpg $$S/audio/tone_44k1_stereo.mp3 $$S/video/h264_320x240_30fps_3s.mp4 \
+		$$S/video/animated_160x120_10fps_2s.gif $$S/hostile/image_truncated.jpg; \
+	rc=$$?; echo "(exit code $$rc: non-zero because the last file is a deliberately truncated JPEG)"
+
+test: setup
+	@$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	@$(BIN)/ruff check .
+	@$(BIN)/ruff format --check .
+
+bench: setup
+	@$(BIN)/python bench/media_decode.py
+
+clean:
+	rm -rf $(VENV) .cache

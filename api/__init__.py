@@ -1,0 +1,1 @@
+"""api: the command line (``pie-media``); the HTTP upload API and jobs join it later."""

@@ -1,0 +1,69 @@
+"""The ``pie-media`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pie-media", description="Multimodal media pipeline for LLM serving.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ins = sub.add_parser("inspect", help="show what the media layer (and a model) makes of files")
+    ins.add_argument("files", nargs="+", help="image, audio or video files")
+    ins.add_argument("--model", help="checkpoint directory or tiny model name (tiny, tiny-qwen3-vl, tiny-gemma4)")
+    ins.add_argument("--max-frames", type=int, default=8, help="video frames to sample (default 8)")
+    ins.add_argument("--fps", type=float, default=None, help="sample video at this rate instead (capped by --max-frames)")
+    ins.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    models = sub.add_parser("models", help="model checkpoints")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    bt = msub.add_parser("build-tiny", help="build the tiny random-weight checkpoints (no downloads)")
+    bt.add_argument("--out", default=None, help="folder to build into (default: the fixture cache)")
+
+    samples = sub.add_parser("samples", help="generate the sample media set and print where it is")
+    samples.add_argument("--bench", action="store_true", help="also build the large benchmark clips")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "inspect":
+        from api.inspect_cmd import run_inspect
+
+        if args.max_frames < 1:
+            print("pie-media: --max-frames must be >= 1", file=sys.stderr)
+            return 2
+        if args.fps is not None and not args.fps > 0:
+            print("pie-media: --fps must be > 0", file=sys.stderr)
+            return 2
+        try:
+            return run_inspect(args.files, model=args.model, max_frames=args.max_frames, fps=args.fps, as_json=args.json)
+        except FileNotFoundError as e:
+            print(f"pie-media: {e}", file=sys.stderr)
+            return 2
+        except ValueError as e:  # MediaError subclasses (unsupported model, ...) are ValueErrors
+            print(f"pie-media: {e}", file=sys.stderr)
+            return 2
+    if args.command == "models":
+        from pathlib import Path
+
+        from fixtures.tiny_models import build_tiny_models
+
+        built = build_tiny_models(Path(args.out) if args.out else None)
+        for name, path in built.items():
+            print(f"{name}\t{path}")
+        return 0
+    if args.command == "samples":
+        from fixtures.samples import ensure_bench_media, ensure_samples
+
+        print(ensure_samples())
+        if args.bench:
+            print(ensure_bench_media())
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""encoders: per-model preparation (exactly as the reference processors) and encoder
+towers. Knows nothing about KV pages."""
+
+from encoders.base import MediaEncoder, model_fingerprint
+from encoders.cache import CacheStats, EncoderCache
+from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
+from encoders.prepared import Encoded, Prepared
+from encoders.registry import encoder_for
+
+__all__ = [
+    "CacheStats",
+    "Encoded",
+    "EncoderCache",
+    "MediaEncoder",
+    "Prepared",
+    "UnsupportedMediaKindError",
+    "UnsupportedModelError",
+    "encoder_for",
+    "model_fingerprint",
+]

@@ -1,0 +1,107 @@
+"""The shape every model-specific media encoder shares: prepare (cached by content
+hash + parameters), encode a batch (cached per item), count tower calls."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from encoders.cache import EncoderCache
+from encoders.errors import UnsupportedMediaKindError
+from encoders.prepared import Encoded, MediaKind, Prepared
+from media import Audio, Image, Video
+
+
+def model_fingerprint(model_dir: str | Path | None, config: dict[str, Any]) -> str:
+    """Identity of a checkpoint for cache keys: its config plus the names, sizes and
+    headers of its weight files (reading headers only, never the tensors)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    if model_dir is not None:
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}".encode())
+            with f.open("rb") as fh:
+                h.update(fh.read(1 << 16))
+    return h.hexdigest()
+
+
+def kind_of(media: Image | Audio | Video) -> MediaKind:
+    if isinstance(media, Image):
+        return "image"
+    if isinstance(media, Audio):
+        return "audio"
+    if isinstance(media, Video):
+        return "video"
+    raise TypeError(f"expected media.Image, media.Audio or media.Video, got {type(media).__name__}")
+
+
+class MediaEncoder(ABC):
+    """Base for per-model encoders. Subclasses set ``family``/``kinds`` and implement
+    ``_prepare`` and ``_encode``; caching and counting live here once."""
+
+    family: str = ""
+    kinds: frozenset[MediaKind] = frozenset()
+
+    def __init__(self, *, name: str, fingerprint: str, cache: EncoderCache | None = None):
+        self.name = name
+        self.fingerprint = fingerprint
+        self.cache = cache if cache is not None else EncoderCache()
+        self.tower_calls = 0
+        self.prepare_calls = 0
+
+    # -- public -------------------------------------------------------------------------
+    def supports(self, kind: MediaKind) -> bool:
+        return kind in self.kinds
+
+    def prepare(self, media: Image | Audio | Video, **params: Any) -> Prepared:
+        kind = kind_of(media)
+        if kind not in self.kinds:
+            raise UnsupportedMediaKindError(
+                f"model {self.name!r} ({self.family}) cannot take {kind} input; it accepts: "
+                f"{', '.join(sorted(self.kinds)) or 'no media'}",
+                kind=kind,
+            )
+        key = self.cache_key(media.content_hash, kind, params)
+        hit = self.cache.get_prepared(key)
+        if hit is not None:
+            return hit
+        self.prepare_calls += 1
+        prepared = self._prepare(kind, media, key, **params)
+        self.cache.put_prepared(key, prepared)
+        return prepared
+
+    def encode(self, batch: list[Prepared]) -> list[Encoded]:
+        """Embeddings for each item; items already in the cache skip the tower, the rest
+        run through it together (grouped by kind)."""
+        out: list[Encoded | None] = [self.cache.get(p.cache_key) for p in batch]
+        todo: dict[MediaKind, list[int]] = {}
+        for i, (p, enc) in enumerate(zip(batch, out, strict=True)):
+            if enc is None:
+                if p.family != self.family:
+                    raise ValueError(f"Prepared from family {p.family!r} given to a {self.family!r} encoder")
+                todo.setdefault(p.kind, []).append(i)
+        for kind, idxs in todo.items():
+            self.tower_calls += 1
+            with torch.inference_mode():
+                results = self._encode(kind, [batch[i] for i in idxs])
+            for i, enc in zip(idxs, results, strict=True):
+                self.cache.put(batch[i].cache_key, enc)
+                out[i] = enc
+        return out  # type: ignore[return-value]
+
+    def cache_key(self, content_hash: str, kind: str, params: dict[str, Any]) -> str:
+        p = json.dumps(params, sort_keys=True, default=str)
+        return f"{self.fingerprint}:{kind}:{content_hash}:{p}"
+
+    # -- subclass hooks -------------------------------------------------------------------
+    @abstractmethod
+    def _prepare(self, kind: MediaKind, media: Any, cache_key: str, **params: Any) -> Prepared: ...
+
+    @abstractmethod
+    def _encode(self, kind: MediaKind, items: list[Prepared]) -> list[Encoded]: ...

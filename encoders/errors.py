@@ -1,0 +1,17 @@
+"""Typed errors for model/media mismatches (the media itself was fine)."""
+
+from __future__ import annotations
+
+from media.errors import MediaError
+
+
+class UnsupportedModelError(MediaError):
+    """The checkpoint's architecture has no media encoder here (e.g. text-only Qwen3)."""
+
+    code = "unsupported_model"
+
+
+class UnsupportedMediaKindError(MediaError):
+    """The model cannot take this kind of media (e.g. audio on Qwen3-VL)."""
+
+    code = "unsupported_media"

@@ -1,0 +1,34 @@
+"""media: model-agnostic Image / Audio / Video decoded from bytes, validated against
+limits and content-hashed. Knows nothing about models."""
+
+from media.audio import Audio
+from media.errors import (
+    CorruptMediaError,
+    EmptyMediaError,
+    InvalidRequestError,
+    MediaError,
+    MediaTooLargeError,
+    MediaTooLongError,
+    UnsupportedFormatError,
+)
+from media.hashing import content_hash
+from media.image import Image
+from media.limits import DEFAULT_LIMITS, MediaLimits
+from media.video import SampledFrames, Video
+
+__all__ = [
+    "Audio",
+    "CorruptMediaError",
+    "DEFAULT_LIMITS",
+    "EmptyMediaError",
+    "Image",
+    "InvalidRequestError",
+    "MediaError",
+    "MediaLimits",
+    "MediaTooLargeError",
+    "MediaTooLongError",
+    "SampledFrames",
+    "UnsupportedFormatError",
+    "Video",
+    "content_hash",
+]

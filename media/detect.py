@@ -1,0 +1,68 @@
+"""Which kind of media are these bytes? Try the decoders in an order the magic bytes
+suggest; the first decoder that recognises the format decides (its error included)."""
+
+from __future__ import annotations
+
+from media.audio import Audio
+from media.errors import EmptyMediaError, MediaError, UnsupportedFormatError
+from media.image import Image
+from media.limits import DEFAULT_LIMITS, MediaLimits
+from media.video import Video
+
+Media = Image | Audio | Video
+
+_AUDIO_MAGIC = (b"fLaC", b"OggS", b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2", b"FORM", b"caff")
+# Formats Pillow reads whose files may hold an animation (then they are videos).
+_MAYBE_ANIMATED = {"GIF", "WEBP", "PNG"}
+
+
+def _looks_like_audio(data: bytes) -> bool:
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return True
+    return data.startswith(_AUDIO_MAGIC)
+
+
+def open_media(data: bytes, limits: MediaLimits | None = None, kind: str | None = None) -> Media:
+    """Decode ``data`` as an Image, Audio or Video (``kind`` forces one).
+
+    Animated GIF/WebP/PNG become a Video; a still one an Image. When no decoder
+    recognises the bytes the error is ``UnsupportedFormatError``; when one recognised
+    the format but failed (corrupt, too large, ...), that decoder's error is raised.
+    """
+    limits = limits or DEFAULT_LIMITS
+    if kind is not None:
+        cls = {"image": Image, "audio": Audio, "video": Video}.get(kind)
+        if cls is None:
+            raise UnsupportedFormatError(f"unknown media kind {kind!r}; expected image, audio or video")
+        return cls.from_bytes(data, limits)
+    if not data:
+        raise EmptyMediaError("no bytes: the input is empty")
+
+    first_error: MediaError | None = None
+    image: Image | None = None
+    try:
+        image = Image.from_bytes(data, limits)
+    except UnsupportedFormatError as e:
+        first_error = e
+    if image is not None:
+        if image.format in _MAYBE_ANIMATED:
+            try:
+                video = Video.from_bytes(data, limits)
+                if video.frame_count > 1:
+                    return video
+            except MediaError:
+                pass
+        return image
+
+    order = (Audio, Video) if _looks_like_audio(data) else (Video, Audio)
+    for cls in order:
+        try:
+            return cls.from_bytes(data, limits)
+        except UnsupportedFormatError as e:
+            first_error = first_error or e
+        except MediaError:
+            raise
+    raise UnsupportedFormatError(
+        "not a recognised image, audio or video format (tried Pillow, PyAV and libsndfile); "
+        f"first bytes: {data[:16]!r}"
+    )

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def samples() -> Path:
+    """Root of the generated sample media: images/, audio/, video/, hostile/."""
+    from fixtures.samples import ensure_samples
+
+    return ensure_samples()
