@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import av
 import av.error
-from av.stream import Discard
 import numpy as np
+from av.stream import Discard
 
 from media.errors import (
     CorruptMediaError,
@@ -234,7 +234,19 @@ def _sniff(data: bytes) -> str | None:
 
 _STILL = {"png", "jpeg", "tiff", "bmp", "heif"}
 _AUDIO = {"wav", "flac", "mp3"}
-_VIDEO_CONTAINERS = {"apng", "gif", "avi", "isobmff", "matroska", "ogg", "flv", "asf", "ivf", "mpegts", "mpeg"}
+_VIDEO_CONTAINERS = {
+    "apng",
+    "gif",
+    "avi",
+    "isobmff",
+    "matroska",
+    "ogg",
+    "flv",
+    "asf",
+    "ivf",
+    "mpegts",
+    "mpeg",
+}
 
 
 def _webp_animation(data: bytes) -> tuple[int, int, list[int]] | None:
@@ -264,7 +276,8 @@ def _webp_animation(data: bytes) -> tuple[int, int, list[int]] | None:
                 raise ValueError("WebP ANMF chunk too short")
             durations.append(int.from_bytes(data[pos + 20 : pos + 23], "little"))
         pos += 8 + size + (size & 1)
-    return width, height, durations
+    # Like browsers (and FFmpeg for GIF), a frame delay of 10 ms or less means 100 ms.
+    return width, height, [d if d > 10 else 100 for d in durations]
 
 
 # --------------------------------------------------------------------------- errors
@@ -305,7 +318,9 @@ class _Timeline:
         return self.keyframes[k] if k >= 0 else 0
 
 
-def _plan(targets: Sequence[int], timeline: _Timeline | None, strategy: Strategy, overhead: float) -> DecodePlan:
+def _plan(
+    targets: Sequence[int], timeline: _Timeline | None, strategy: Strategy, overhead: float
+) -> DecodePlan:
     """Estimate frames decoded under each strategy and pick where to seek."""
     targets = tuple(targets)
     can_seek = bool(timeline is not None and timeline.pts is not None and len(timeline.keyframes) > 1)
@@ -395,7 +410,7 @@ class _AVSource:
             container = self._open()
         except MediaError:
             raise
-        except _DECODE_ERRORS + (MemoryError,) as e:
+        except _DECODE_ERRORS as e:
             name = sniffed or "the data"
             if default is CorruptMediaError:
                 raise CorruptMediaError(
@@ -404,7 +419,10 @@ class _AVSource:
                     kind=KIND,
                 ) from None
             raise UnsupportedFormatError(
-                f"not a recognised video format: {_describe(e)}", kind=KIND, actual=sniffed
+                "not a video container this library reads (MP4/MOV, Matroska/WebM, AVI, GIF, "
+                f"animated WebP, MPEG-TS/PS, FLV, Ogg, ASF, ...); FFmpeg says: {_describe(e)}",
+                kind=KIND,
+                actual=sniffed,
             ) from None
         try:
             self.meta = self._read_meta(container, sniffed)
@@ -433,7 +451,9 @@ class _AVSource:
     def _read_meta(self, container: av.container.InputContainer, sniffed: str | None) -> _Meta:
         fmt = container.format.name
         if fmt.endswith("_pipe") or fmt == "image2":
-            raise UnsupportedFormatError(f"{fmt} is a still image format, not a video; use media.Image", kind=KIND)
+            raise UnsupportedFormatError(
+                f"{fmt} is a still image format, not a video; use media.Image", kind=KIND
+            )
         stream = self._video_stream(container)
         cc = stream.codec_context
         width, height = int(cc.width or 0), int(cc.height or 0)
@@ -479,7 +499,7 @@ class _AVSource:
                 frame_count, source = tl.packets, "demux"
         if frame_count <= 0:
             raise EmptyMediaError("video stream has no frames", kind=KIND)
-        if sniffed == "gif" and frame_count < 2 or fmt == "apng" and frame_count < 2:
+        if frame_count < 2 and (sniffed == "gif" or fmt == "apng"):
             raise UnsupportedFormatError(
                 f"a single-frame {fmt.upper()} is a still image, not a video; use media.Image", kind=KIND
             )
@@ -688,6 +708,7 @@ class _AVSource:
         k = bisect.bisect_left(tl.pts, pts)
         return k if k < len(tl.pts) and tl.pts[k] == pts else None
 
+
 class _WebPSource:
     """Animated WebP through Pillow (FFmpeg here has no animated-WebP decoder)."""
 
@@ -715,7 +736,9 @@ class _WebPSource:
         if n == 0:
             raise EmptyMediaError("animated WebP has no frames", kind=KIND)
         if n == 1:
-            raise UnsupportedFormatError("a single-frame WebP is a still image, not a video; use media.Image", kind=KIND)
+            raise UnsupportedFormatError(
+                "a single-frame WebP is a still image, not a video; use media.Image", kind=KIND
+            )
         duration = sum(durations) / 1000.0
         if duration > limits.max_video_seconds:
             raise MediaTooLongError(
@@ -765,7 +788,6 @@ class _WebPSource:
         return plan
 
 
-
 # --------------------------------------------------------------------------- Video
 
 
@@ -792,11 +814,14 @@ class Video:
         """Open a video from its encoded bytes; raises only ``MediaError`` subclasses."""
         limits = limits or DEFAULT_LIMITS
         try:
-            if not isinstance(data, bytes):
-                data = bytes(data)
-            if len(data) == 0:
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise InvalidRequestError(f"video data must be bytes, got {type(data).__name__}", kind=KIND)
+            size = memoryview(data).nbytes
+            if size == 0:
                 raise EmptyMediaError("video data is empty (0 bytes)", kind=KIND, actual=0)
-            limits.check_bytes(len(data), KIND)
+            limits.check_bytes(size, KIND)
+            if not isinstance(data, bytes):
+                data = bytes(data)  # own copy: the caller's buffer could change under the decoder
             sniffed = _sniff(data)
             if sniffed in _STILL:
                 raise UnsupportedFormatError(
@@ -806,7 +831,9 @@ class Video:
                 )
             if sniffed in _AUDIO:
                 raise UnsupportedFormatError(
-                    f"{sniffed.upper()} audio file has no video stream; use media.Audio", kind=KIND, actual=sniffed
+                    f"{sniffed.upper()} audio file has no video stream; use media.Audio",
+                    kind=KIND,
+                    actual=sniffed,
                 )
             if sniffed in ("svg", "text"):
                 what = "SVG (vector image)" if sniffed == "svg" else "text"
@@ -951,8 +978,14 @@ class Video:
         n_total = self.frame_count
         cap = self._limits.max_frames
         if max_frames is not None:
-            if isinstance(max_frames, bool) or not isinstance(max_frames, (int, np.integer)) or max_frames < 1:
-                raise InvalidRequestError(f"max_frames must be a positive integer, got {max_frames!r}", kind=KIND)
+            if (
+                isinstance(max_frames, bool)
+                or not isinstance(max_frames, (int, np.integer))
+                or max_frames < 1
+            ):
+                raise InvalidRequestError(
+                    f"max_frames must be a positive integer, got {max_frames!r}", kind=KIND
+                )
             cap = min(cap, int(max_frames))
         if fps is None:
             n = min(cap, n_total)
@@ -1043,7 +1076,9 @@ class Video:
 
     def _sample(self, indices: list[int], strategy: Strategy) -> SampledFrames:
         if strategy not in ("auto", "seek", "sequential"):
-            raise InvalidRequestError(f"strategy must be auto, seek or sequential, got {strategy!r}", kind=KIND)
+            raise InvalidRequestError(
+                f"strategy must be auto, seek or sequential, got {strategy!r}", kind=KIND
+            )
         targets = sorted(set(indices))
         m = self._src.meta
         out = _Decoded(targets, m.height, m.width)

@@ -1,0 +1,126 @@
+"""Media decode benchmarks, printed side by side as ratios.
+
+    python bench/media_decode.py [--repeats N]
+
+(a) JPEG: full decode vs reduced (DCT-domain draft) decode of a 4032x3024 photo
+    through ``media.Image.from_bytes(data)`` vs ``reduce_to=(1008, 756)``.
+(b) Video: sampling frames from two 60 s 720p H.264 clips that differ only in their
+    keyframe interval (10 s vs 0.5 s), forcing ``strategy="sequential"`` and
+    ``strategy="seek"``, and what ``strategy="auto"`` picks (the cost model in
+    ``media/video.py``). 16 frames is the headline; a sweep over sample counts shows
+    where seeking stops paying.
+
+Times are wall-clock medians in one process; absolute numbers on shared CI machines
+are noise, the ratios are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fixtures.samples import ensure_bench_media, ensure_samples  # noqa: E402
+from fixtures.video import BENCH_CLIPS, read_marker  # noqa: E402
+from media import Image, Video  # noqa: E402
+from media import video as video_mod  # noqa: E402
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def bench_jpeg(samples: Path, repeats: int) -> None:
+    data = (samples / "images" / "photo_4032x3024.jpg").read_bytes()
+    Image.from_bytes(data)  # warm-up (imports, plugin registry)
+    full_t, full = median_time(lambda: Image.from_bytes(data), repeats)
+    red_t, red = median_time(lambda: Image.from_bytes(data, reduce_to=(1008, 756)), repeats)
+    print("(a) JPEG 4032x3024 decode")
+    print(f"    {'path':<28}{'size':>12}{'ms':>10}{'ratio':>9}")
+    print(f"    {'full decode':<28}{'{}x{}'.format(*full.size):>12}{full_t * 1e3:>10.1f}{1.0:>9.2f}")
+    print(
+        f"    {'reduce_to=(1008, 756)':<28}{'{}x{}'.format(*red.size):>12}{red_t * 1e3:>10.1f}{red_t / full_t:>9.2f}"
+    )
+    print(f"    -> reduced decode is {full_t / red_t:.1f}x faster")
+    print()
+
+
+def bench_video(bench: Path, repeats: int) -> None:
+    print("(b) Video: 16 frames from 60 s 1280x720 30 fps H.264 (sequential = 1.00)")
+    print(f"    cores={os.cpu_count()} decoder threads={video_mod.THREAD_TYPE or 'off'}")
+    print(
+        f"    {'clip':<26}{'strategy':<12}{'ms':>9}{'ratio':>8}{'decoded':>9}{'seeks':>7}"
+        f"{'model est.':>12}  auto picks"
+    )
+    for name in BENCH_CLIPS:
+        v = Video.from_bytes((bench / name).read_bytes())
+        idx = v.uniform_indices(16)
+        plan = v.decode_plan(idx)
+        est = {"sequential": plan.sequential_frames, "seek": plan.seek_frames, "auto": plan.auto_frames}
+        results = {}
+        for strategy in ("sequential", "seek", "auto"):
+            t, s = median_time(
+                lambda v=v, strategy=strategy: v.sample(max_frames=16, strategy=strategy), repeats
+            )
+            assert [read_marker(f) for f in s.frames] == [i % 256 for i in s.indices]
+            results[strategy] = (t, s)
+        base = results["sequential"][0]
+        first = results["sequential"][1].frames
+        for strategy, (t, s) in results.items():
+            assert (s.frames == first).all(), "strategies must return identical frames"
+            pick = s.strategy if strategy == "auto" else ""
+            print(
+                f"    {name:<26}{strategy:<12}{t * 1e3:>9.0f}{t / base:>8.2f}{s.frames_decoded:>9}"
+                f"{s.seeks:>7}{est[strategy]:>12}  {pick}"
+            )
+        kf = v.keyframe_indices
+        gop = (kf[1] - kf[0]) if len(kf) > 1 else v.frame_count
+        print(f"    {'':<26}(keyframes: {len(kf)}, every {gop} frames)")
+    print()
+
+
+def bench_sweep(bench: Path) -> None:
+    print("(c) Where seeking stops paying: time(seek) / time(sequential), and auto's choice")
+    print(f"    {'clip':<26}{'frames':>7}{'seek/seq':>10}{'auto/seq':>10}  auto picks (seeks)")
+    for name in BENCH_CLIPS:
+        v = Video.from_bytes((bench / name).read_bytes())
+        seq_t, _ = median_time(lambda v=v: v.sample(max_frames=4, strategy="sequential"), 1)
+        for n in (4, 64, 256):
+            seek_t, _ = median_time(lambda v=v, n=n: v.sample(max_frames=n, strategy="seek"), 1)
+            auto_t, s = median_time(lambda v=v, n=n: v.sample(max_frames=n, strategy="auto"), 1)
+            print(
+                f"    {name:<26}{n:>7}{seek_t / seq_t:>10.2f}{auto_t / seq_t:>10.2f}  {s.strategy} ({s.seeks})"
+            )
+    print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    samples = ensure_samples()
+    bench = ensure_bench_media()
+    print(f"media ready in {time.perf_counter() - t0:.1f} s ({samples.parent})\n")
+    bench_jpeg(samples, args.repeats)
+    bench_video(bench, args.repeats)
+    if not args.no_sweep:
+        bench_sweep(bench)
+
+
+if __name__ == "__main__":
+    main()

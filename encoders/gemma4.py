@@ -1,0 +1,760 @@
+"""Gemma-4: image, video and audio preparation exactly as the transformers reference, and the
+vision and audio towers (transformers' own modules) projected into the LM embedding space.
+
+Reference (transformers 5.23, ``models/gemma4``), read top to bottom:
+
+* images: ``Gemma4ImageProcessorPil`` -- see :mod:`encoders.gemma4_vision`. The span the
+  processor writes is ``<|image>`` + ``<|image|>`` x N + ``<image|>`` with N the soft
+  tokens (``num_soft_tokens_per_image``: patches / 9 after the 3x3 pooling);
+* videos: ``Gemma4VideoProcessor`` (torchvision, reproduced) -- per sampled frame
+  ``"mm:ss "`` + ``<|image>`` + ``<|video|>`` x N + ``<image|>``, frames joined by a
+  space (``Gemma4Processor.replace_video_token``), ``mm:ss`` from ``index / fps``;
+* audio: ``Gemma4AudioFeatureExtractor`` -- see :mod:`encoders.gemma4_audio`; the span is
+  ``<|audio>`` + ``<|audio|>`` x N + ``<audio|>``, N from the mel mask as the processor
+  counts it (one token per 40 ms). Clips over 30 s are truncated to 30 s by the reference
+  (the feature extractor's ``max_length=480000, truncation=True``); so are ours, recorded
+  in ``meta["truncated"]``; ``prepare(audio, truncate=False)`` raises
+  ``MediaTooLongError`` instead;
+* positions: Gemma-4 uses 1-D RoPE over ``arange`` of the whole sequence (the model builds
+  ``position_ids`` that way; media rows are ordinary rows), so a span's positions are
+  ``0..len-1`` and ``position_span == num_rows``;
+* ``mm_token_type`` as ``Gemma4Processor.create_mm_token_type_ids``: 1 on image tokens, 2
+  on video tokens, 3 on audio tokens, 0 elsewhere (delimiters and timestamps included).
+  Checkpoints whose text config says ``use_bidirectional_attention == "vision"`` let each
+  run of image/video tokens attend bidirectionally on the sliding-attention layers
+  (``get_block_sequence_ids_for_mask`` + ``create_masks_for_vision_model``; full-attention
+  layers stay causal): ``meta["bidirectional_blocks"]`` lists those runs as half-open row
+  ranges of the span, ``meta["bidirectional_attention"]`` says whether the model uses them;
+* embeddings: ``Gemma4Model.get_image_features`` / ``get_video_features`` /
+  ``get_audio_features``: the tower, then ``embed_vision`` / ``embed_audio`` (RMS norm +
+  projection to the text hidden size), padding rows dropped -- exactly ``token_count``
+  rows per item, in the LM embedding space, ready to scatter at the placeholder rows.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from encoders.base import MediaEncoder, model_fingerprint
+from encoders.cache import EncoderCache
+from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
+from encoders.gemma4_audio import AudioSettings, LogMel, audio_token_count, valid_frame_count
+from encoders.gemma4_vision import (
+    SUPPORTED_SOFT_TOKENS,
+    VisionSettings,
+    aspect_ratio_preserving_size,
+    check_budget,
+    patchify,
+    resize_exact,
+    resize_frames_like_torchvision,
+    sample_frame_indices,
+    timestamp_text,
+)
+from encoders.prepared import Encoded, MediaKind, Prepared
+from media import Audio, Image, Video
+from media.errors import EmptyMediaError, InvalidRequestError, MediaTooLongError
+
+__all__ = ["SUPPORTED_SOFT_TOKENS", "Gemma4Encoder", "SpecialTokens"]
+
+FAMILY = "gemma4"
+
+_IMAGE_PARAMS = frozenset({"max_soft_tokens"})
+_VIDEO_PARAMS = frozenset({"max_soft_tokens", "num_frames", "fps"})
+_AUDIO_PARAMS = frozenset({"truncate"})
+
+# Vision batches are split so that sum(frames * patches^2) stays under this many attention
+# scores (the CPU SDPA path materialises them); one item always goes through whole.
+_VISION_BATCH_SCORES = 8 * 2520 * 2520
+# Audio batches: at most this many mel frames (batch x longest).
+_AUDIO_BATCH_FRAMES = 16 * 3000
+
+TOWER_NAMES = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
+"""Keys of ``towers``: the ``Gemma4Model`` attributes of the same names."""
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    boi: int
+    eoi: int
+    image: int
+    video: int
+    boa: int | None
+    eoa: int | None
+    audio: int | None
+
+
+class Gemma4Encoder(MediaEncoder):
+    """Preparation and encoder towers of a ``Gemma4ForConditionalGeneration`` checkpoint.
+
+    ``prepare(Image | Video | Audio, **params)`` -> :class:`~encoders.prepared.Prepared`;
+    ``encode([Prepared, ...])`` -> :class:`~encoders.prepared.Encoded` whose embeddings
+    are already in the language model's embedding space (``token_count`` x text hidden).
+
+    Parameters accepted by ``prepare`` (same names as the reference processor's call
+    arguments; part of the cache key):
+
+    * image: ``max_soft_tokens`` (70, 140, 280, 560 or 1120; default from the checkpoint);
+    * video: ``max_soft_tokens`` per frame (default 70), ``num_frames`` (default 32) or
+      ``fps`` (mutually exclusive);
+    * audio: ``truncate`` (default True: clips over 30 s are cut to 30 s as the reference
+      does; False raises ``MediaTooLongError``).
+
+    ``kinds`` is per instance: audio only when the checkpoint has an audio tower.
+    """
+
+    family = FAMILY
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        fingerprint: str,
+        cache: EncoderCache | None,
+        config: dict[str, Any],
+        image: VisionSettings,
+        video: VisionSettings,
+        audio: AudioSettings | None,
+        processor: dict[str, Any],
+        tokens: SpecialTokens,
+        tokenizer: Any,
+        model_dir: Path | None,
+        towers: dict[str, torch.nn.Module],
+        device: str | torch.device,
+        dtype: torch.dtype,
+    ):
+        super().__init__(name=name, fingerprint=fingerprint, cache=cache)
+        self.config = config
+        self.image_settings = image
+        self.video_settings = video
+        self.audio_settings = audio
+        self.processor_settings = processor
+        self.tokens = tokens
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._towers = dict(towers)
+        self._tower_lock = threading.Lock()
+        has_vision = config.get("vision_config") is not None
+        kinds: set[MediaKind] = set()
+        if has_vision:
+            kinds.add("image")
+            if tokenizer is not None:
+                kinds.add("video")
+        if audio is not None:
+            kinds.add("audio")
+        self.kinds = frozenset(kinds)
+        text = config.get("text_config") or {}
+        self.bidirectional_vision = text.get("use_bidirectional_attention") == "vision"
+        self._image_table = image.pixel_table(video=False)
+        self._video_table = video.pixel_table(video=True)
+        self._logmel = LogMel(audio) if audio is not None else None
+        self._text_ids: dict[str, tuple[int, ...]] = {}
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_config(
+        cls,
+        model_dir: str | Path | None,
+        config: dict[str, Any],
+        *,
+        cache: EncoderCache | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        towers: dict[str, torch.nn.Module] | None = None,
+        load_weights: bool = True,
+    ) -> Gemma4Encoder:
+        """Read the processor configs and tokenizer from ``model_dir``; build the towers.
+
+        ``towers``: modules the engine already holds, keyed like the ``Gemma4Model``
+        attributes (``vision_tower``, ``embed_vision``, ``audio_tower``, ``embed_audio``);
+        their device and dtype win. The rest are built from ``config`` with transformers'
+        ``Gemma4VisionModel`` / ``Gemma4AudioModel`` / ``Gemma4MultimodalEmbedder`` and only
+        their weights are read from the checkpoint's safetensors. ``load_weights=False``
+        defers that until the first ``encode`` (prepare-only users never pay for it).
+        """
+        if model_dir is None:
+            raise UnsupportedModelError("Gemma-4 needs its checkpoint directory (processor configs, tokenizer)")
+        model_dir = Path(model_dir)
+        if config.get("vision_config") is None and config.get("audio_config") is None:
+            raise UnsupportedModelError(f"{model_dir.name}: config.json has neither a vision_config nor an audio_config")
+        blocks = _read_processor_configs(model_dir)
+        image = VisionSettings.from_dict(blocks.get("image_processor") or {}, video=False)
+        video = VisionSettings.from_dict(blocks.get("video_processor") or {}, video=True)
+        vision_cfg = config.get("vision_config") or {}
+        for what, s in (("image", image), ("video", video)):
+            expected = (vision_cfg.get("patch_size", s.patch_size), vision_cfg.get("pooling_kernel_size", s.pooling_kernel_size))
+            if (s.patch_size, s.pooling_kernel_size) != expected:
+                raise UnsupportedModelError(
+                    f"{what} processor patch/pooling sizes {(s.patch_size, s.pooling_kernel_size)} "
+                    f"disagree with the vision config {expected}"
+                )
+        audio = None
+        if config.get("audio_config") is not None:
+            audio = AudioSettings.from_dict(blocks.get("feature_extractor") or {})
+        tokenizer = _load_tokenizer(model_dir)
+        tokens = _special_tokens(config, tokenizer)
+        if audio is not None and None in (tokens.boa, tokens.eoa, tokens.audio):
+            raise UnsupportedModelError(f"{model_dir.name} has an audio tower but no audio token ids")
+        given = {k: v for k, v in (towers or {}).items() if v is not None}
+        unknown = set(given) - set(TOWER_NAMES)
+        if unknown:
+            raise ValueError(f"unknown tower names {sorted(unknown)}; expected some of {TOWER_NAMES}")
+        for module in given.values():
+            param = next(module.parameters(), None)
+            if param is not None:
+                device, dtype = param.device, param.dtype
+                break
+        enc = cls(
+            name=model_dir.name,
+            fingerprint=model_fingerprint(model_dir, config),
+            cache=cache,
+            config=config,
+            image=image,
+            video=video,
+            audio=audio,
+            processor={k: v for k, v in blocks.items() if not isinstance(v, dict)},
+            tokens=tokens,
+            tokenizer=tokenizer,
+            model_dir=model_dir,
+            towers=given,
+            device=device,
+            dtype=dtype,
+        )
+        if load_weights:
+            enc.towers  # noqa: B018 - load now
+        return enc
+
+    @property
+    def towers(self) -> dict[str, torch.nn.Module]:
+        """The vision/audio towers and their embedders (built and loaded on first use)."""
+        wanted = []
+        if self.config.get("vision_config") is not None:
+            wanted += ["vision_tower", "embed_vision"]
+        if self.config.get("audio_config") is not None:
+            wanted += ["audio_tower", "embed_audio"]
+        if any(name not in self._towers for name in wanted):
+            with self._tower_lock:
+                missing = [name for name in wanted if name not in self._towers]
+                if missing:
+                    self._towers.update(_build_towers(self.model_dir, self.config, missing, self.device, self.dtype))
+        return self._towers
+
+    # -- planning (no pixels needed) -----------------------------------------------------
+    def image_size_for(self, width: int, height: int, max_soft_tokens: int | None = None) -> tuple[int, int]:
+        """(resized_width, resized_height) of a ``width`` x ``height`` image."""
+        s = self.image_settings
+        budget = check_budget(max_soft_tokens if max_soft_tokens is not None else s.max_soft_tokens, "image")
+        if not s.do_resize:
+            return width, height
+        h, w = aspect_ratio_preserving_size(height, width, s.patch_size, s.max_patches(budget), s.pooling_kernel_size)
+        return w, h
+
+    def image_token_count(self, width: int, height: int, max_soft_tokens: int | None = None) -> int:
+        """Soft tokens a ``width`` x ``height`` image gets (``_get_num_multimodal_tokens``)."""
+        w, h = self.image_size_for(width, height, max_soft_tokens)
+        unit = self.image_settings.side_multiple
+        return (h // unit) * (w // unit)
+
+    def audio_token_count(self, num_samples: int, sample_rate: int | None = None) -> int:
+        """Soft tokens for a clip of ``num_samples`` at ``sample_rate`` (default 16 kHz),
+        after the 30 s truncation."""
+        s = self._audio()
+        rate = sample_rate or s.sampling_rate
+        n = int(np.ceil(num_samples * (s.sampling_rate / rate))) if rate != s.sampling_rate else int(num_samples)
+        return audio_token_count(valid_frame_count(min(n, s.max_length), s))
+
+    def describe(self, prepared: Prepared) -> dict[str, Any]:
+        """A JSON-ready summary for ``pie-media inspect``."""
+        out: dict[str, Any] = {
+            "kind": prepared.kind,
+            "family": prepared.family,
+            "token_count": prepared.token_count,
+            "grid": list(prepared.grid),
+            "num_rows": prepared.num_rows,
+            "position_span": prepared.position_span,
+            "inputs": {k: list(v.shape) for k, v in prepared.inputs.items()},
+        }
+        if prepared.timestamps is not None:
+            out["timestamps"] = list(prepared.timestamps)
+        out.update({k: v for k, v in prepared.meta.items() if k != "params"})
+        return out
+
+    # -- prepare ------------------------------------------------------------------------
+    def _prepare(self, kind: MediaKind, media: Any, cache_key: str, **params: Any) -> Prepared:
+        if kind == "image":
+            return self._prepare_image(media, cache_key, params)
+        if kind == "video":
+            return self._prepare_video(media, cache_key, params)
+        return self._prepare_audio(media, cache_key, params)
+
+    @staticmethod
+    def _check_params(params: dict[str, Any], allowed: frozenset[str], kind: str) -> None:
+        unknown = sorted(set(params) - allowed)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown {kind} parameter(s) {', '.join(unknown)} for Gemma-4; accepted: {', '.join(sorted(allowed))}",
+                kind=kind,
+            )
+
+    def _span(
+        self,
+        *,
+        kind: MediaKind,
+        ids: list[int],
+        placeholder: int,
+        token_type: int,
+        grid: tuple[int, int, int],
+        inputs: dict[str, torch.Tensor],
+        content_hash: str,
+        cache_key: str,
+        meta: dict[str, Any],
+        timestamps: tuple[float, ...] | None = None,
+    ) -> Prepared:
+        arr = np.asarray(ids, dtype=np.int64)
+        is_placeholder = arr == placeholder
+        count = int(is_placeholder.sum())
+        first = int(np.argmax(is_placeholder))
+        last = len(ids) - int(np.argmax(is_placeholder[::-1]))
+        mm_type = tuple(int(v) for v in np.where(is_placeholder, token_type, 0))
+        if kind in ("image", "video"):
+            # Runs of vision tokens: the blocks get_block_sequence_ids_for_mask builds.
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], is_placeholder.astype(np.int8), [0]))))
+            meta["bidirectional_blocks"] = [[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2], strict=True)]
+            meta["bidirectional_attention"] = self.bidirectional_vision
+        n = len(ids)
+        return Prepared(
+            kind=kind,
+            family=FAMILY,
+            input_ids=tuple(int(i) for i in ids),
+            placeholder_id=placeholder,
+            token_count=count,
+            grid=grid,
+            positions=torch.arange(n, dtype=torch.long).view(1, n),
+            position_span=n,
+            prefix_tokens=tuple(int(i) for i in ids[:first]),
+            suffix_tokens=tuple(int(i) for i in ids[last:]),
+            inputs=inputs,
+            content_hash=content_hash,
+            cache_key=cache_key,
+            mm_token_type=mm_type,
+            timestamps=timestamps,
+            meta=meta,
+        )
+
+    def _prepare_image(self, image: Image, cache_key: str, params: dict[str, Any]) -> Prepared:
+        self._check_params(params, _IMAGE_PARAMS, "image")
+        s = self.image_settings
+        budget = check_budget(params.get("max_soft_tokens", s.max_soft_tokens), "image")
+        width, height = image.width, image.height
+        tw, th = self.image_size_for(width, height, budget)
+        unit = s.side_multiple
+        if th % unit or tw % unit:
+            raise InvalidRequestError(
+                f"with resizing off the image must have sides divisible by {unit}, got {width}x{height}", kind="image"
+            )
+        if (tw, th) == (width, height):
+            pixels = image.to_numpy()
+        else:
+            pixels = np.asarray(resize_exact(image.to_pil(), tw, th, s.resample))
+        values, positions, real = patchify(pixels[None], s.patch_size, self._image_table, s.max_patches(budget))
+        tokens = real // s.pooling_kernel_size**2
+        t = self.tokens
+        return self._span(
+            kind="image",
+            ids=[t.boi, *([t.image] * tokens), t.eoi],
+            placeholder=t.image,
+            token_type=1,
+            grid=(1, th // unit, tw // unit),
+            inputs={"pixel_values": values, "image_position_ids": positions},
+            content_hash=image.content_hash,
+            cache_key=cache_key,
+            meta={
+                "source_size": [width, height],
+                "resized_size": [tw, th],
+                "patch_grid": [th // s.patch_size, tw // s.patch_size],
+                "max_soft_tokens": budget,
+                "params": dict(params),
+            },
+        )
+
+    def _prepare_video(self, video: Video, cache_key: str, params: dict[str, Any]) -> Prepared:
+        self._check_params(params, _VIDEO_PARAMS, "video")
+        s = self.video_settings
+        budget = check_budget(params.get("max_soft_tokens", s.max_soft_tokens), "video")
+        num_frames, fps = s.num_frames, s.fps
+        if "num_frames" in params or "fps" in params:
+            num_frames, fps = params.get("num_frames"), params.get("fps")
+        if num_frames is not None and fps is not None:
+            raise InvalidRequestError("`num_frames` and `fps` are mutually exclusive, give one", kind="video")
+        if num_frames is not None and (
+            isinstance(num_frames, bool) or not isinstance(num_frames, (int, np.integer)) or num_frames < 1
+        ):
+            raise InvalidRequestError(f"num_frames must be a positive integer, got {num_frames!r}", kind="video")
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+            raise InvalidRequestError(f"fps must be a positive number, got {fps!r}", kind="video")
+        total = video.frame_count
+        if total < 1:
+            raise EmptyMediaError("the video has no frames", actual=0, kind="video")
+        video_fps = float(video.fps) if video.fps and video.fps > 0 else 24.0  # the reference's fallback
+        if s.do_sample_frames:
+            indices = sample_frame_indices(total, num_frames, fps, video_fps)
+        else:
+            indices = list(range(total))
+        sampled = video.sample_indices(indices)
+        frames = np.ascontiguousarray(sampled.frames)
+        n, height, width = frames.shape[:3]
+        max_patches = s.max_patches(budget)
+        th, tw = aspect_ratio_preserving_size(height, width, s.patch_size, max_patches, s.pooling_kernel_size)
+        if not s.do_resize:
+            th, tw = height, width
+        resized = resize_frames_like_torchvision(
+            torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(), th, tw, s.resample
+        )
+        pixels = resized.permute(0, 2, 3, 1).numpy()
+        values, positions, real = patchify(pixels, s.patch_size, self._video_table, max_patches)
+        per_frame = real // s.pooling_kernel_size**2
+        seconds = [i / video_fps for i in sampled.indices]
+        stamps = [timestamp_text(x) for x in seconds]
+        t = self.tokens
+        ids: list[int] = []
+        for k, stamp in enumerate(stamps):
+            ids += self._text(f"{stamp} " if k == 0 else f" {stamp} ")
+            ids += [t.boi, *([t.video] * per_frame), t.eoi]
+        unit = s.side_multiple
+        return self._span(
+            kind="video",
+            ids=ids,
+            placeholder=t.video,
+            token_type=2,
+            grid=(n, th // unit, tw // unit),
+            inputs={
+                "pixel_values_videos": values,
+                "video_position_ids": positions,
+                "num_frames_per_video": torch.tensor([n], dtype=torch.long),
+            },
+            content_hash=video.content_hash,
+            cache_key=cache_key,
+            timestamps=tuple(seconds),
+            meta={
+                "source_size": [width, height],
+                "resized_size": [tw, th],
+                "patch_grid": [th // s.patch_size, tw // s.patch_size],
+                "max_soft_tokens": budget,
+                "tokens_per_frame": per_frame,
+                "frame_indices": list(sampled.indices),
+                "frame_times": [float(x) for x in sampled.timestamps],
+                "timestamp_text": stamps,
+                "video_fps": video_fps,
+                "skipped_frames": [f.to_dict() for f in sampled.skipped],
+                "params": dict(params),
+            },
+        )
+
+    def _prepare_audio(self, audio: Audio, cache_key: str, params: dict[str, Any]) -> Prepared:
+        self._check_params(params, _AUDIO_PARAMS, "audio")
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise InvalidRequestError(f"truncate must be true or false, got {truncate!r}", kind="audio")
+        s = self._audio()
+        assert self._logmel is not None
+        samples = audio.mono_at(s.sampling_rate)
+        n = int(samples.shape[0])
+        truncated = n > s.max_length
+        if truncated:
+            if not truncate:
+                raise MediaTooLongError(
+                    f"audio is {n / s.sampling_rate:.2f} s; Gemma-4 takes at most {s.max_seconds:g} s "
+                    f"({audio_token_count(valid_frame_count(s.max_length, s))} audio tokens) per clip",
+                    limit=s.max_seconds,
+                    actual=round(n / s.sampling_rate, 3),
+                    kind="audio",
+                )
+            samples = samples[: s.max_length]
+        features, mask = self._logmel(samples)
+        tokens = audio_token_count(int(mask.sum()))
+        if tokens == 0:
+            shortest = s.frame_length + 1 - s.frame_length // 2
+            raise EmptyMediaError(
+                f"audio is {n} samples at {s.sampling_rate} Hz, shorter than one analysis frame "
+                f"({shortest} samples): Gemma-4 makes no audio tokens from it",
+                limit=shortest,
+                actual=n,
+                kind="audio",
+            )
+        t = self.tokens
+        assert t.boa is not None and t.eoa is not None and t.audio is not None
+        return self._span(
+            kind="audio",
+            ids=[t.boa, *([t.audio] * tokens), t.eoa],
+            placeholder=t.audio,
+            token_type=3,
+            grid=(1, 1, tokens),
+            inputs={
+                "input_features": torch.from_numpy(features).unsqueeze(0),
+                "input_features_mask": torch.from_numpy(mask).unsqueeze(0),
+            },
+            content_hash=audio.content_hash,
+            cache_key=cache_key,
+            meta={
+                "seconds": round(audio.duration, 6),
+                "samples": min(n, s.max_length),
+                "sample_rate": s.sampling_rate,
+                "truncated": truncated,
+                "mel_frames": int(features.shape[0]),
+                "valid_mel_frames": int(mask.sum()),
+                "params": dict(params),
+            },
+        )
+
+    def _audio(self) -> AudioSettings:
+        if self.audio_settings is None:
+            raise UnsupportedMediaKindError(f"model {self.name!r} has no audio tower", kind="audio")
+        return self.audio_settings
+
+    def _text(self, text: str) -> tuple[int, ...]:
+        """Token ids of a text segment that sits between special tokens in the prompt (the
+        tokenizer splits special tokens out first, so it tokenizes alone as in context)."""
+        ids = self._text_ids.get(text)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            self._text_ids[text] = ids
+        return ids
+
+    # -- encode -------------------------------------------------------------------------
+    def _encode(self, kind: MediaKind, items: list[Prepared]) -> list[Encoded]:
+        if kind == "audio":
+            return self._encode_audio(items)
+        return self._encode_vision(kind, items)
+
+    def _encode_vision(self, kind: MediaKind, items: list[Prepared]) -> list[Encoded]:
+        towers = self.towers
+        tower, embed = towers["vision_tower"], towers["embed_vision"]
+        key_px, key_pos = ("pixel_values", "image_position_ids") if kind == "image" else (
+            "pixel_values_videos",
+            "video_position_ids",
+        )
+        k2 = self.image_settings.pooling_kernel_size**2
+        # Every frame (an image is one frame) with its soft-token count.
+        frames: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        owner: list[int] = []
+        for i, p in enumerate(items):
+            px, pos = p.inputs[key_px], p.inputs[key_pos]
+            per_frame = p.token_count // px.shape[0]
+            for f in range(px.shape[0]):
+                frames.append((px[f], pos[f], per_frame))
+                owner.append(i)
+        outputs: list[torch.Tensor] = []
+        for batch in _vision_batches([f[2] for f in frames], k2):
+            length = max(frames[j][2] for j in batch) * k2  # output_length * k^2 = patches
+            pv = torch.zeros((len(batch), length, frames[batch[0]][0].shape[-1]), dtype=torch.float32)
+            pos = torch.full((len(batch), length, 2), -1, dtype=torch.long)
+            for row, j in enumerate(batch):
+                src_px, src_pos, tokens = frames[j]
+                real = tokens * k2  # real patches come first; the rest is padding
+                pv[row, :real] = src_px[:real]
+                pos[row, :real] = src_pos[:real]
+            hidden = tower(
+                pixel_values=pv.to(device=self.device, dtype=self.dtype), pixel_position_ids=pos.to(self.device)
+            ).last_hidden_state
+            emb = embed(inputs_embeds=hidden)
+            outputs.extend(torch.split(emb, [frames[j][2] for j in batch]))
+        per_item: list[list[torch.Tensor]] = [[] for _ in items]
+        for i, emb in zip(owner, outputs, strict=True):
+            per_item[i].append(emb)
+        result = []
+        for p, parts in zip(items, per_item, strict=True):
+            emb = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if emb.shape[0] != p.token_count:
+                raise RuntimeError(f"vision tower gave {emb.shape[0]} rows for {p.token_count} tokens")
+            result.append(Encoded(embeddings=emb))
+        return result
+
+    def _encode_audio(self, items: list[Prepared]) -> list[Encoded]:
+        towers = self.towers
+        tower, embed = towers["audio_tower"], towers["embed_audio"]
+        result: list[Encoded | None] = [None] * len(items)
+        order = sorted(range(len(items)), key=lambda i: items[i].inputs["input_features"].shape[1])
+        start = 0
+        while start < len(order):
+            stop = start + 1
+            while stop < len(order):
+                longest = items[order[stop]].inputs["input_features"].shape[1]
+                if (stop - start + 1) * longest > _AUDIO_BATCH_FRAMES:
+                    break
+                stop += 1
+            batch = order[start:stop]
+            start = stop
+            longest = max(items[i].inputs["input_features"].shape[1] for i in batch)
+            bins = items[batch[0]].inputs["input_features"].shape[2]
+            feats = torch.zeros((len(batch), longest, bins), dtype=torch.float32)
+            mask = torch.zeros((len(batch), longest), dtype=torch.bool)
+            for row, i in enumerate(batch):
+                f = items[i].inputs["input_features"][0]
+                feats[row, : f.shape[0]] = f
+                mask[row, : f.shape[0]] = items[i].inputs["input_features_mask"][0]
+            out = tower(feats.to(device=self.device, dtype=self.dtype), mask.to(self.device), return_dict=True)
+            emb = embed(inputs_embeds=out.last_hidden_state)
+            for row, i in enumerate(batch):
+                rows = emb[row][out.attention_mask[row]]
+                if rows.shape[0] != items[i].token_count:
+                    raise RuntimeError(f"audio tower gave {rows.shape[0]} rows for {items[i].token_count} tokens")
+                result[i] = Encoded(embeddings=rows)
+        return result  # type: ignore[return-value]
+
+
+def _vision_batches(tokens: list[int], k2: int) -> list[list[int]]:
+    """Consecutive frame groups whose padded attention (frames x patches^2) fits the budget."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for j, t in enumerate(tokens):
+        cand = max(longest, t)
+        if current and (len(current) + 1) * (cand * k2) ** 2 > _VISION_BATCH_SCORES:
+            batches.append(current)
+            current, cand = [], t
+        current.append(j)
+        longest = cand
+    if current:
+        batches.append(current)
+    return batches
+
+
+# --------------------------------------------------------------------------- checkpoint files
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UnsupportedModelError(f"cannot read {path}: {e}") from e
+
+
+def _read_processor_configs(model_dir: Path) -> dict[str, Any]:
+    """The processor settings as ``Gemma4Processor.from_pretrained`` finds them: the nested
+    blocks of ``processor_config.json`` (``image_processor``, ``feature_extractor``,
+    ``video_processor`` and the processor's own keys) first, else the flat
+    ``preprocessor_config.json`` / ``video_preprocessor_config.json`` files."""
+    out: dict[str, Any] = {}
+    if (model_dir / "processor_config.json").is_file():
+        out.update(_read_json(model_dir / "processor_config.json"))
+    if (model_dir / "preprocessor_config.json").is_file():
+        flat = _read_json(model_dir / "preprocessor_config.json")
+        if "feature_extractor_type" in flat and "image_processor_type" not in flat:
+            out.setdefault("feature_extractor", flat)
+        else:
+            out.setdefault("image_processor", flat)
+    if (model_dir / "video_preprocessor_config.json").is_file():
+        out.setdefault("video_processor", _read_json(model_dir / "video_preprocessor_config.json"))
+    return out
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None  # images and audio need no tokenizer; video (timestamps) does
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise UnsupportedModelError(f"cannot load {path}: {e}") from e
+
+
+def _special_tokens(config: dict[str, Any], tokenizer: Any) -> SpecialTokens:
+    names = {
+        "boi": (("boi_token_id",), "<|image>"),
+        "eoi": (("eoi_token_id",), "<image|>"),
+        "image": (("image_token_id",), "<|image|>"),
+        "video": (("video_token_id",), "<|video|>"),
+        "boa": (("boa_token_id",), "<|audio>"),
+        "eoa": (("eoa_token_id", "eoa_token_index"), "<audio|>"),
+        "audio": (("audio_token_id",), "<|audio|>"),
+    }
+    ids: dict[str, int | None] = {}
+    for field, (keys, token) in names.items():
+        from_config = next((config[k] for k in keys if config.get(k) is not None), None)
+        from_tokenizer = tokenizer.token_to_id(token) if tokenizer is not None else None
+        if from_config is not None and from_tokenizer is not None and int(from_config) != from_tokenizer:
+            raise UnsupportedModelError(
+                f"config.json {keys[0]}={from_config} disagrees with tokenizer.json {token}={from_tokenizer}"
+            )
+        value = from_config if from_config is not None else from_tokenizer
+        if value is None and field in ("boi", "eoi", "image", "video") and config.get("vision_config") is not None:
+            raise UnsupportedModelError(f"neither config.json ({keys[0]}) nor tokenizer.json ({token}) gives its id")
+        ids[field] = None if value is None else int(value)
+    return SpecialTokens(**ids)  # type: ignore[arg-type]
+
+
+_PREFIXES = {name: (f"model.{name}.", f"{name}.") for name in TOWER_NAMES}
+
+
+def _build_towers(
+    model_dir: Path | None, config: dict[str, Any], names: list[str], device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.nn.Module]:
+    """transformers' Gemma-4 tower modules for ``names``, with only their weights read from
+    the checkpoint's safetensors (sharded or not)."""
+    from safetensors import safe_open
+    from transformers import Gemma4Config
+    from transformers.initialization import no_init_weights
+    from transformers.models.gemma4.modeling_gemma4 import (
+        Gemma4AudioModel,
+        Gemma4MultimodalEmbedder,
+        Gemma4VisionModel,
+    )
+
+    if model_dir is None:
+        raise UnsupportedModelError("no checkpoint directory to load the tower weights from")
+    cfg = Gemma4Config.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
+    wanted = {n: _PREFIXES[n] for n in names}
+    all_prefixes = tuple(p for n in names for p in wanted[n])
+    state: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+    for f in _weight_files(model_dir, all_prefixes):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                for n, prefixes in wanted.items():
+                    prefix = next((p for p in prefixes if key.startswith(p)), None)
+                    if prefix is not None:
+                        state[n][key[len(prefix) :]] = st.get_tensor(key)
+                        break
+    modules: dict[str, torch.nn.Module] = {}
+    with no_init_weights():
+        for n in names:
+            if n == "vision_tower":
+                modules[n] = Gemma4VisionModel._from_config(cfg.vision_config, dtype=dtype)
+            elif n == "audio_tower":
+                modules[n] = Gemma4AudioModel._from_config(cfg.audio_config, dtype=dtype)
+            elif n == "embed_vision":
+                modules[n] = Gemma4MultimodalEmbedder(cfg.vision_config, cfg.text_config)
+            else:
+                modules[n] = Gemma4MultimodalEmbedder(cfg.audio_config, cfg.text_config)
+    for n, module in modules.items():
+        if not state[n]:
+            raise UnsupportedModelError(f"no {n} weights (model.{n}.*) in {model_dir}")
+        missing, unexpected = module.load_state_dict(state[n], strict=False)
+        if missing or unexpected:
+            raise UnsupportedModelError(
+                f"{n} weights in {model_dir} do not fit transformers' module: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        modules[n] = module.to(device=device, dtype=dtype).eval()
+    return modules
+
+
+def _weight_files(model_dir: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
+        names = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
+    return files

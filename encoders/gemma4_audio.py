@@ -1,0 +1,245 @@
+"""Gemma-4 audio preparation: log-mel features bit-identical to ``Gemma4AudioFeatureExtractor``.
+
+The reference (transformers ``models/gemma4/feature_extraction_gemma4.py``), for one clip:
+
+1. the waveform (mono float32 at 16 kHz; the processor never resamples, the caller does)
+   is truncated to ``max_length`` = 480 000 samples (30 s: ``__call__``'s default, with
+   ``truncation=True``), then zero-padded on the right to a multiple of 128 samples
+   (``pad_to_multiple_of``), with an attention mask of 1s over the real samples;
+2. ``frame_length // 2`` = 160 zeros are prepended ("semicausal" padding) and frames of
+   ``frame_length + 1`` = 321 samples are taken every ``hop_length`` = 160 samples;
+3. the last sample of each frame is dropped (or used by the optional pre-emphasis), the
+   320 samples are multiplied by a periodic Hann window (float32), ``np.fft.rfft`` with
+   ``n = fft_length`` = 512 (so zero-padded to 512), magnitude;
+4. ``magnitude @ mel_filters`` (128 HTK triangles over 0..8 kHz, float64, no norm),
+   ``log(mel + mel_floor)`` with ``mel_floor`` = 1e-3, optional per-bin mean/stddev,
+   cast to float32;
+5. a frame is valid when the last sample of its 321-sample window is real audio; invalid
+   frames are zeroed, and the mask is ``input_features_mask``.
+
+We run the same numpy operations on the same dtypes (the float32 pocketfft ``rfft``, the
+float64 matmul and log), so the features are bit-identical; the speed comes from doing
+each step once, in place, with no padding/batching machinery, and from splitting long
+clips into row blocks computed on worker threads (numpy releases the GIL in ``rfft``,
+``matmul`` and ``log``; every row is computed independently, so splitting does not change
+a bit).
+
+Tokens: the processor's ``replace_audio_token`` subsamples the mask twice by 2 (the
+audio tower's two stride-2 convolutions) and counts the survivors: with ``V`` valid mel
+frames that is ``ceil(ceil(V / 2) / 2)`` soft tokens, i.e. one per 40 ms, 750 for 30 s.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from encoders.errors import UnsupportedModelError
+
+__all__ = ["AudioSettings", "LogMel", "audio_token_count", "valid_frame_count"]
+
+# Rows per worker block: below ~2 such blocks threads cost more than they save.
+_BLOCK_ROWS = 768
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gemma4-mel")
+    return _POOL
+
+
+@dataclass(frozen=True)
+class AudioSettings:
+    """``Gemma4AudioFeatureExtractor`` settings, derived as its ``__init__`` derives them
+    (``frame_length``/``hop_length`` come from the millisecond values, as in the reference,
+    whatever sample counts the saved config also carries)."""
+
+    sampling_rate: int = 16_000
+    feature_size: int = 128
+    frame_length: int = 320
+    hop_length: int = 160
+    fft_length: int = 512
+    min_frequency: float = 0.0
+    max_frequency: float = 8000.0
+    preemphasis: float = 0.0
+    preemphasis_htk_flavor: bool = True
+    dither: float = 0.0
+    input_scale_factor: float = 1.0
+    mel_floor: float = 1e-3
+    per_bin_mean: tuple[float, ...] | None = None
+    per_bin_stddev: tuple[float, ...] | None = None
+    padding_value: float = 0.0
+    max_length: int = 480_000
+    """``__call__``'s ``max_length`` (truncation) default: 30 s at 16 kHz."""
+    pad_to_multiple_of: int = 128
+    """``__call__``'s ``pad_to_multiple_of`` default."""
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> AudioSettings:
+        sr = int(cfg.get("sampling_rate", 16_000))
+        frame_ms = float(cfg.get("frame_length_ms", 20.0))
+        hop_ms = float(cfg.get("hop_length_ms", 10.0))
+        frame_length = int(round(sr * frame_ms / 1000.0))
+        hop_length = int(round(sr * hop_ms / 1000.0))
+        if frame_length < 2 or hop_length < 1:
+            raise UnsupportedModelError(f"audio frame/hop lengths {frame_length}/{hop_length} are not usable")
+        fft_length = 2 ** math.ceil(math.log2(frame_length))
+        if cfg.get("fft_overdrive", False):
+            fft_length *= 2
+        feature_size = int(cfg.get("feature_size", 128))
+
+        def bins(key: str) -> tuple[float, ...] | None:
+            v = cfg.get(key)
+            if v is None:
+                return None
+            if len(v) != feature_size:
+                raise UnsupportedModelError(f"feature extractor `{key}` must have {feature_size} values")
+            return tuple(float(x) for x in v)
+
+        if cfg.get("padding_side", "right") != "right":
+            raise UnsupportedModelError("only right-padded Gemma-4 audio feature extraction is supported")
+        return cls(
+            sampling_rate=sr,
+            feature_size=feature_size,
+            frame_length=frame_length,
+            hop_length=hop_length,
+            fft_length=fft_length,
+            min_frequency=float(cfg.get("min_frequency", 0.0)),
+            max_frequency=float(cfg.get("max_frequency", 8000.0)),
+            preemphasis=float(cfg.get("preemphasis", 0.0)),
+            preemphasis_htk_flavor=bool(cfg.get("preemphasis_htk_flavor", True)),
+            dither=float(cfg.get("dither", 0.0)),
+            input_scale_factor=float(cfg.get("input_scale_factor", 1.0)),
+            mel_floor=float(cfg.get("mel_floor", 1e-3)),
+            per_bin_mean=bins("per_bin_mean"),
+            per_bin_stddev=bins("per_bin_stddev"),
+            padding_value=float(cfg.get("padding_value", 0.0)),
+        )
+
+    @property
+    def max_seconds(self) -> float:
+        return self.max_length / self.sampling_rate
+
+
+def valid_frame_count(num_samples: int, s: AudioSettings) -> int:
+    """Mel frames whose whole window lies on real samples (``input_features_mask.sum()``)."""
+    # frame i covers padded samples [i*hop, i*hop + frame_length] (frame_length + 1 of
+    # them) after frame_length // 2 zeros were prepended; its last sample is real when
+    # i*hop + frame_length < frame_length // 2 + num_samples.
+    last = num_samples + s.frame_length // 2 - s.frame_length - 1
+    return 0 if last < 0 else last // s.hop_length + 1
+
+
+def audio_token_count(valid_frames: int) -> int:
+    """Soft tokens for ``valid_frames`` valid mel frames: the mask subsampled twice by 2
+    (``mask[::2]``), as ``Gemma4Processor.replace_audio_token`` and the tower do."""
+    t = valid_frames
+    for _ in range(2):
+        t = (t + 1) // 2
+    return t
+
+
+class LogMel:
+    """The log-mel spectrogram and frame mask of one clip, as the reference computes it."""
+
+    def __init__(self, s: AudioSettings):
+        # The reference's own helpers define the window and the filter bank; computed once.
+        from transformers.audio_utils import mel_filter_bank, window_function
+
+        self.s = s
+        self.window = window_function(s.frame_length).astype(np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the all-zero top filter, as the reference
+            self.mel_filters = mel_filter_bank(
+                num_frequency_bins=s.fft_length // 2 + 1,
+                num_mel_filters=s.feature_size,
+                min_frequency=s.min_frequency,
+                max_frequency=s.max_frequency,
+                sampling_rate=s.sampling_rate,
+                norm=None,
+                mel_scale="htk",
+            )  # float64, (fft_length // 2 + 1, feature_size)
+        self.mel_floor = np.array(s.mel_floor, dtype=np.float64)
+        self.per_bin_mean = None if s.per_bin_mean is None else np.array(s.per_bin_mean).reshape(1, -1)
+        self.per_bin_stddev = None if s.per_bin_stddev is None else np.array(s.per_bin_stddev).reshape(1, -1)
+
+    def padded_length(self, num_samples: int) -> int:
+        m = self.s.pad_to_multiple_of
+        return -(-num_samples // m) * m if m else num_samples
+
+    def num_frames(self, num_samples: int) -> int:
+        """Rows of ``input_features`` for a clip of ``num_samples`` (after truncation)."""
+        s = self.s
+        total = self.padded_length(num_samples) + s.frame_length // 2
+        return max(0, (total - (s.frame_length + 1)) // s.hop_length + 1)
+
+    def __call__(self, waveform: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``waveform``: 1-D float32 at ``sampling_rate``, already truncated to ``max_length``.
+        Returns (features (frames, feature_size) float32, mask (frames,) bool)."""
+        s = self.s
+        n = int(waveform.shape[0])
+        pad_left = s.frame_length // 2
+        frames = self.num_frames(n)
+        x = np.zeros(pad_left + self.padded_length(n), dtype=np.float32)
+        if s.padding_value != 0.0:
+            x[pad_left + n :] = s.padding_value
+        src = np.asarray(waveform, dtype=np.float32)
+        if s.dither > 0.0:  # random, as the reference (never set in released configs)
+            src = src + s.dither * np.random.randn(*src.shape).astype(np.float32)
+        if s.input_scale_factor != 1.0:
+            src = src * s.input_scale_factor
+        x[pad_left : pad_left + n] = src
+        # Padding samples are scaled/dithered in the reference too; both are no-ops on zeros
+        # unless dither is on, in which case the padded frames are masked out anyway.
+
+        out = np.zeros((frames, s.feature_size), dtype=np.float32)
+        valid = min(frames, valid_frame_count(n, s))
+        mask = np.zeros(frames, dtype=bool)
+        mask[:valid] = True
+        if valid == 0:
+            return out, mask
+        # Masked frames are zero in the reference's output: compute only the valid ones.
+        blocks = max(1, min(_pool()._max_workers, valid // _BLOCK_ROWS))
+        if blocks == 1:
+            self._rows(x, 0, valid, out)
+        else:
+            edges = np.linspace(0, valid, blocks + 1).astype(int)
+            jobs = [_pool().submit(self._rows, x, int(a), int(b), out) for a, b in zip(edges[:-1], edges[1:])]
+            for job in jobs:
+                job.result()
+        return out, mask
+
+    def _rows(self, x: np.ndarray, start: int, stop: int, out: np.ndarray) -> None:
+        s = self.s
+        size = s.frame_length + 1
+        view = np.lib.stride_tricks.as_strided(
+            x[start * s.hop_length :],
+            shape=(stop - start, size),
+            strides=(x.strides[0] * s.hop_length, x.strides[0]),
+            writeable=False,
+        )
+        if s.preemphasis > 0.0:
+            if s.preemphasis_htk_flavor:
+                first = view[:, :1] * (1.0 - s.preemphasis)
+                rest = view[:, 1:-1] - s.preemphasis * view[:, :-2]
+                frames = np.concatenate([first, rest], axis=-1)
+            else:
+                frames = view[:, 1:] - s.preemphasis * view[:, :-1]
+        else:
+            frames = view[:, :-1]
+        frames = frames * self.window
+        magnitude = np.abs(np.fft.rfft(frames, n=s.fft_length, axis=-1))
+        log_mel = np.log(np.matmul(magnitude, self.mel_filters) + self.mel_floor)
+        if self.per_bin_mean is not None:
+            log_mel = log_mel - self.per_bin_mean
+        if self.per_bin_stddev is not None:
+            log_mel = log_mel / self.per_bin_stddev
+        out[start:stop] = log_mel

@@ -1,0 +1,228 @@
+"""Paged attention plugged into transformers' attention-function registry.
+
+The transformers decoder layers compute Q/K/V (projections, norms, RoPE: the reference
+math) and then call the attention function named by ``config._attn_implementation``.
+We register ``"pie_paged"``: it writes this step's K/V rows into the model's page pool
+and attends each sequence's queries over that sequence's pages. The language model is
+called with ``use_cache=False``; the pages are the cache.
+
+A forward batch is flattened into one row of ``N`` tokens (``batch = 1``): every op in a
+decoder layer except attention is per token, so sequences of different lengths (prefill
+chunks and decode steps of many contexts) share one pass, and ``BatchMeta`` tells this
+function where each sequence's queries are and which pages hold its keys.
+
+Masks are built per sequence over KV row indices (row = token index in the context):
+
+* causal: key row <= query row;
+* sliding window (layers that pass ``sliding_window``, Gemma-4's sliding layers):
+  ``query row - key row < window`` as transformers' ``sliding_window_overlay``;
+* bidirectional media blocks (Gemma-4 with ``use_bidirectional_attention="vision"``,
+  on the layers ``BatchMeta.block_overlay_layers`` names): rows of the same image/video
+  block see each other. A block is always prefilled in one pass (spans are never split).
+
+Backends: ``torch`` (gather the pages of a sequence, then SDPA; CPU and CUDA) lives
+here. Others plug in through ``AttentionBackend``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from engine.kv_pool import KVPool
+
+ATTN_IMPLEMENTATION = "pie_paged"
+
+
+@dataclass
+class SeqMeta:
+    """One sequence's slice of a flattened forward batch."""
+
+    q_start: int
+    """First row of this sequence in the batch."""
+    q_len: int
+    """Rows this sequence computes in this pass."""
+    kv_start: int
+    """Rows already in its KV before this pass (= row index of its first query)."""
+    pages: torch.Tensor
+    """Long tensor of page ids covering ``kv_start + q_len`` rows, on the pool's device."""
+    block_ids: torch.Tensor | None = None
+    """(q_len,) media block id per query row (-1 = none) for bidirectional blocks."""
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_start + self.q_len
+
+
+@dataclass
+class BatchMeta:
+    pool: KVPool
+    seqs: list[SeqMeta]
+    slots: torch.Tensor
+    """(N,) flat slot (page * page_size + offset) each batch row writes its K/V to."""
+    block_overlay_layers: frozenset[int] = field(default_factory=frozenset)
+    backend: AttentionBackend | None = None
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None: ...
+
+    def attend(
+        self,
+        meta: BatchMeta,
+        layer: int,
+        query: torch.Tensor,
+        *,
+        scaling: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor: ...
+
+
+def sequence_mask(
+    seq: SeqMeta,
+    *,
+    sliding_window: int | None,
+    blocks: bool,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Boolean (q_len, kv_len) mask (True = attend), or None when plain causal attention
+    over everything so far is right (decode without window, or a fresh causal prefill:
+    see ``torch_attend``)."""
+    q_rows = torch.arange(seq.kv_start, seq.kv_len, device=device)
+    k_rows = torch.arange(seq.kv_len, device=device)
+    use_blocks = blocks and seq.block_ids is not None and bool((seq.block_ids >= 0).any())
+    window_bites = sliding_window is not None and seq.kv_len > sliding_window
+    if not use_blocks and not window_bites:
+        return None
+    allowed = k_rows[None, :] <= q_rows[:, None]
+    if use_blocks:
+        assert seq.block_ids is not None
+        qb = seq.block_ids.to(device)
+        kb = torch.full((seq.kv_len,), -1, dtype=qb.dtype, device=device)
+        kb[seq.kv_start :] = qb
+        allowed |= (qb[:, None] == kb[None, :]) & (qb[:, None] >= 0)
+    if window_bites:
+        assert sliding_window is not None
+        allowed &= k_rows[None, :] > q_rows[:, None] - sliding_window
+    return allowed
+
+
+class TorchBackend:
+    """Reference backend: gather each sequence's pages, then scaled-dot-product attention."""
+
+    name = "torch"
+
+    def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        kc, vc = meta.pool.kv(layer)
+        _, n_pages_rows, kvh, hd = kc.shape
+        # key/value: (1, kv_heads, N, head_dim) -> (N, kv_heads, head_dim)
+        kc.view(-1, kvh, hd).index_copy_(0, meta.slots, key[0].transpose(0, 1).to(kc.dtype))
+        vc.view(-1, kvh, hd).index_copy_(0, meta.slots, value[0].transpose(0, 1).to(vc.dtype))
+
+    def attend(
+        self,
+        meta: BatchMeta,
+        layer: int,
+        query: torch.Tensor,
+        *,
+        scaling: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        kc, vc = meta.pool.kv(layer)
+        _, page_size, kvh, hd = kc.shape
+        blocks = layer in meta.block_overlay_layers
+        outs = []
+        for seq in meta.seqs:
+            q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, n, D)
+            k = kc[seq.pages].reshape(-1, kvh, hd)[: seq.kv_len].transpose(0, 1).unsqueeze(0)
+            v = vc[seq.pages].reshape(-1, kvh, hd)[: seq.kv_len].transpose(0, 1).unsqueeze(0)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            mask = sequence_mask(seq, sliding_window=sliding_window, blocks=blocks, device=q.device)
+            outs.append(_attend(q, k, v, mask, seq, scaling=scaling, softcap=softcap))
+        return torch.cat(outs, dim=2)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seq: SeqMeta,
+    *,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if softcap is not None:
+        if mask is None:
+            q_rows = torch.arange(seq.kv_start, seq.kv_len, device=q.device)
+            mask = torch.arange(seq.kv_len, device=q.device)[None, :] <= q_rows[:, None]
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        w = torch.matmul(q, k.transpose(2, 3)) * scaling
+        w = torch.tanh(w / softcap) * softcap
+        w = w.masked_fill(~mask, float("-inf"))
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(w, v)
+    if mask is None:
+        # Plain causal over the whole history: the last q_len keys are the queries' own rows.
+        if seq.q_len == 1:
+            return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=groups > 1)
+        if seq.kv_start == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+        q_rows = torch.arange(seq.kv_start, seq.kv_len, device=q.device)
+        mask = torch.arange(seq.kv_len, device=q.device)[None, :] <= q_rows[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+
+
+TORCH_BACKEND = TorchBackend()
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    pie_batch: BatchMeta | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``"pie_paged"``; returns (batch, N, heads, head_dim)."""
+    if pie_batch is None:
+        raise RuntimeError(
+            "pie_paged attention was called without a batch (pie_batch=...); this model's "
+            "language model is wired to the engine's KV pages and must be run through engine.Model"
+        )
+    if query.shape[0] != 1:
+        raise RuntimeError(f"pie_paged attention expects a flattened batch of 1, got {query.shape[0]}")
+    layer = module.layer_idx
+    backend = pie_batch.backend or TORCH_BACKEND
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    if pie_batch.pool.layers[layer].shares_with is None:
+        backend.write(pie_batch, layer, key, value)
+    out = backend.attend(
+        pie_batch, layer, query, scaling=scaling, sliding_window=sliding_window, softcap=softcap
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register the attention function with transformers (idempotent); returns its name."""
+    transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+register()

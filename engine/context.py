@@ -1,0 +1,731 @@
+"""Context: a token history with its KV pages (Pie's context, in Python, async).
+
+Life cycle (as in Pie): fill (``fill``, ``fill_tokens``, role methods, ``append_image`` ...)
+buffers rows; ``flush()`` prefills them into KV pages; ``generate()`` samples, checks stop
+conditions and runs one decode pass per token (passes of concurrent contexts are
+batched by the model's scheduler).
+
+Rows. Every token of the context is a ``Row``: its id, its position ids (all M-RoPE axes),
+and for media rows the span it belongs to. Rows ``[0, committed)`` have K/V in the
+pages; the rest are pending. Positions are assigned when a row is appended: text rows
+advance the cursor by one, a media span by its ``position_span`` (M-RoPE: not its row
+count), exactly as the reference's rope index.
+
+Pages. ``pages[i]`` holds rows ``[i*P, (i+1)*P)``. Full committed pages are published in
+the pool under a chain hash of their content (``engine.page_hashing``), so a context
+that fills rows matching a published page takes that page instead of computing it
+(prefix cache), and forks share pages by reference. A page is written only while this
+context is its only holder and it is unpublished; otherwise it is copied first
+(copy-on-write), so sharing never corrupts anyone's history.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine import sampling, stopping
+from engine.errors import ContextClosedError, InvalidRequestError, SavedContextExistsError
+from engine.forward import LogitsWanted, MediaRows, StepInput
+from engine.kv_pool import KVPool
+from engine.page_hashing import MediaRow, PageKey, page_key
+
+if TYPE_CHECKING:
+    from encoders import Prepared
+    from engine.model import Model
+
+MM_TYPES = {"image": 1, "video": 2, "audio": 3}
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    token: int
+    pos: tuple[int, ...]
+    next_pos: int
+    """The position cursor after this row."""
+    media: MediaRow | None = None
+    span: Span | None = None
+    emb: int = -1
+    """Index of this row's embedding in the span's encoder output (-1: not a placeholder)."""
+    mm_type: int = 0
+
+
+@dataclass(eq=False)
+class Span:
+    """One media item placed in a context."""
+
+    prepared: Prepared
+    start: int
+    """Row index of its first row (in the context where it was appended)."""
+
+
+@dataclass
+class Generation:
+    """The outcome of ``generate``."""
+
+    text: str
+    tokens: list[int]
+    reason: stopping.StopReason
+
+    @property
+    def finish_reason(self) -> str:
+        return self.reason.kind
+
+
+@dataclass
+class TokenEvent:
+    """One streamed step of a generation."""
+
+    token: int
+    text: str
+    """Text this token completed (may be empty while a multi-byte character is open)."""
+    done: stopping.StopReason | None = None
+
+
+@dataclass
+class Distribution:
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+
+@dataclass
+class _ChatState:
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    open_turn: bool = False
+    turn_tokens: list[int] = field(default_factory=list)
+
+    def copy(self) -> _ChatState:
+        return _ChatState(list(self.messages), self.open_turn, list(self.turn_tokens))
+
+
+class _PageTable:
+    """The pages a context holds; released when the context closes or is collected."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.pages: list[int] = []
+        self.keys: list[PageKey] = []
+
+    def release(self) -> None:
+        if self.pages:
+            self.pool.decref(self.pages)
+        self.pages = []
+        self.keys = []
+
+
+class Context:
+    """A conversation with a model. ``Context(model)``; async methods run forward passes."""
+
+    def __init__(self, model: Model, *, seed: int | None = None):
+        self.model = model
+        self._pool = model.pool
+        self._table = _PageTable(model.pool)
+        self._finalizer = weakref.finalize(self, _PageTable.release, self._table)
+        self._rows: list[Row] = []
+        self._n = 0  # committed rows
+        self._cursor = 0  # position of the next appended row
+        self._last_logits: torch.Tensor | None = None
+        self._chat = _ChatState()
+        self._seed = seed
+        self._generator: torch.Generator | None = None
+        self._busy = False
+        self._closed = False
+
+    # -- facts ------------------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        """All token ids, committed and pending."""
+        return [r.token for r in self._rows]
+
+    @property
+    def committed(self) -> int:
+        """Rows whose K/V are in the pages."""
+        return self._n
+
+    @property
+    def pending(self) -> int:
+        return len(self._rows) - self._n
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def position(self) -> int:
+        """The position the next row gets (M-RoPE: the text axis value)."""
+        return self._cursor
+
+    @property
+    def pages(self) -> list[int]:
+        """Page ids holding the committed rows."""
+        return list(self._table.pages[: self._pages_for(self._n)])
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def text(self, *, skip_special_tokens: bool = False) -> str:
+        return self.model.detokenize(self.token_ids, skip_special_tokens=skip_special_tokens)
+
+    # -- filling (buffers only) ------------------------------------------------------------
+    def fill(self, text: str) -> Context:
+        """Append text (tokenized; special-token text such as ``<|im_start|>`` becomes the id)."""
+        return self.fill_tokens(self.model.tokenize(text))
+
+    def fill_tokens(self, ids: Iterable[int]) -> Context:
+        self._check_open()
+        ids = [int(i) for i in ids]
+        vocab = self.model.arch.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
+        self._append_text(ids)
+        return self
+
+    def system(self, *content: Any) -> Context:
+        return self._turn("system", content)
+
+    def user(self, *content: Any) -> Context:
+        """A user turn; ``content`` parts are text and media (``media.Image``/``Audio``/
+        ``Video`` or ``Prepared``), in order, as in a chat message's content list."""
+        return self._turn("user", content)
+
+    def assistant(self, *content: Any) -> Context:
+        return self._turn("assistant", content)
+
+    def cue(self) -> Context:
+        """The template's generation prompt (e.g. ``<|im_start|>assistant\\n``)."""
+        self._check_open()
+        self._close_turn()
+        self._fill_template(self.model.chat.cue(self._chat.messages), [])
+        self._chat.open_turn = True
+        self._chat.turn_tokens = []
+        return self
+
+    def append_image(self, image: Any, **params: Any) -> Prepared:
+        """Place an image here (raw, outside any template turn); returns its ``Prepared``
+        (``token_count``, ``position_span``, ... are known before any forward pass)."""
+        return self._append_media("image", image, params)
+
+    def append_audio(self, audio: Any, **params: Any) -> Prepared:
+        return self._append_media("audio", audio, params)
+
+    def append_video(self, video: Any, **params: Any) -> Prepared:
+        return self._append_media("video", video, params)
+
+    # -- forward passes ---------------------------------------------------------------------
+    async def flush(self, *, return_logits: bool = False) -> torch.Tensor | None:
+        """Prefill every pending row. With ``return_logits`` the logits of all of them
+        ((rows, vocab) float32) come back, and the prefix cache is not used."""
+        self._check_open()
+        with self._guard():
+            return await self._prefill("all" if return_logits else "last")
+
+    async def decode_step_dist(
+        self, sampler: sampling.Sampler | None = None, *, top_n: int | None = None
+    ) -> Distribution:
+        """Distribution of the next token (after flushing pending rows): ids and their
+        probabilities, most probable first (``sampler`` post-processing applied; default
+        plain softmax)."""
+        self._check_open()
+        with self._guard():
+            await self._ensure_logits()
+        assert self._last_logits is not None
+        ids, probs = sampling.dist(self._last_logits, sampler or sampling.Sampler.multinomial(1.0), top_n)
+        return Distribution(ids=ids, probs=probs)
+
+    async def next_token_logits(self) -> torch.Tensor:
+        """(vocab,) float32 logits for the next token."""
+        self._check_open()
+        with self._guard():
+            await self._ensure_logits()
+        assert self._last_logits is not None
+        return self._last_logits
+
+    async def generate(
+        self,
+        sampler: sampling.Sampler | None = None,
+        stop: stopping.StopCondition | None = None,
+        *,
+        max_tokens: int | None = None,
+    ) -> Generation:
+        """Sample until ``stop`` (default: the model's EOS ids or ``max_tokens``, default 256).
+        Generated tokens join the context (the last one stays pending)."""
+        tokens: list[int] = []
+        reason = None
+        async for ev in self.stream(sampler, stop, max_tokens=max_tokens):
+            tokens.append(ev.token)
+            reason = ev.done
+        assert reason is not None
+        return Generation(text=reason.text, tokens=tokens, reason=reason)
+
+    async def stream(
+        self,
+        sampler: sampling.Sampler | None = None,
+        stop: stopping.StopCondition | None = None,
+        *,
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """``generate`` one token at a time: yields a ``TokenEvent`` per token; the last one
+        carries ``done`` (the stop reason)."""
+        self._check_open()
+        sampler = sampler or sampling.Sampler.greedy()
+        cond = self._stop_condition(stop, max_tokens)
+        tracker = cond.start()
+        generated: list[int] = []
+        emitted = ""
+        with self._guard():
+            await self._ensure_logits()
+            while True:
+                assert self._last_logits is not None
+                token = int(sampling.sample(self._last_logits[None], sampler, self._rng())[0])
+                generated.append(token)
+                self._append_text([token])
+                text = self.model.detokenize(generated, skip_special_tokens=True)
+                reason = tracker.check(generated, text)
+                visible = reason.text if reason is not None else text
+                delta = ""
+                if reason is not None or not visible.endswith("\ufffd"):
+                    delta = visible[len(emitted) :] if visible.startswith(emitted) else visible
+                    emitted = visible
+                yield TokenEvent(token=token, text=delta, done=reason)
+                if reason is not None:
+                    return
+                await self._prefill("last")
+
+    # -- branching and persistence ---------------------------------------------------------
+    def fork(self) -> Context:
+        """A child with the same history: committed pages shared by reference (a partly
+        filled last page is copied when either side first writes to it), pending rows,
+        chat state and sampling state copied."""
+        self._check_open()
+        if self._busy:
+            raise InvalidRequestError("cannot fork a context while it runs a forward pass")
+        child = Context(self.model, seed=self._seed)
+        held = self._table.pages[: self._pages_for(self._n)]
+        self._pool.incref(held)
+        child._table.pages = list(held)
+        child._table.keys = list(self._table.keys)
+        child._rows = list(self._rows)
+        child._n = self._n
+        child._cursor = self._cursor
+        child._last_logits = self._last_logits
+        child._chat = self._chat.copy()
+        if self._generator is not None:
+            child._generator = torch.Generator(device=self._generator.device)
+            child._generator.set_state(self._generator.get_state())
+        return child
+
+    def save(self, name: str, *, overwrite: bool = False) -> None:
+        """Pin this context's state (pages by reference) under ``name`` in the model;
+        ``Context.open(model, name)`` forks from it; ``model.delete_saved(name)`` unpins."""
+        if not name:
+            raise InvalidRequestError("a saved context needs a non-empty name")
+        if name in self.model._saved and not overwrite:
+            raise SavedContextExistsError(f"a context is already saved as {name!r}", name=name)
+        snapshot = self.fork()
+        old = self.model._saved.pop(name, None)
+        if old is not None:
+            old.close()
+        self.model._saved[name] = snapshot
+
+    @classmethod
+    def open(cls, model: Model, name: str) -> Context:
+        """A new context forked from the one saved as ``name``."""
+        return model._saved_context(name).fork()
+
+    def truncate(self, n: int) -> Context:
+        """Keep the first ``n`` rows (committed or pending); a media span cannot be cut."""
+        self._check_open()
+        if self._busy:
+            raise InvalidRequestError("cannot truncate a context while it runs a forward pass")
+        if not 0 <= n <= len(self._rows):
+            raise InvalidRequestError(f"cannot truncate to {n} rows: the context has {len(self._rows)}")
+        if 0 < n < len(self._rows):
+            a, b = self._rows[n - 1], self._rows[n]
+            if a.span is not None and a.span is b.span:
+                raise InvalidRequestError(f"row {n} is inside a media span; truncate before or after it")
+        removed = len(self._rows) - n
+        del self._rows[n:]
+        self._cursor = self._rows[-1].next_pos if self._rows else 0
+        if n < self._n:
+            self._n = n
+            keep = self._pages_for(n)
+            drop = self._table.pages[keep:]
+            if drop:
+                self._pool.decref(drop)
+            del self._table.pages[keep:]
+            del self._table.keys[n // self._pool.page_size :]
+            self._last_logits = None
+        if self._chat.open_turn and removed:
+            keep_turn = max(0, len(self._chat.turn_tokens) - removed)
+            del self._chat.turn_tokens[keep_turn:]
+        return self
+
+    def rewind(self, k: int) -> Context:
+        """Drop the last ``k`` rows."""
+        return self.truncate(max(0, len(self._rows) - k))
+
+    def close(self) -> None:
+        """Release the pages (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._table.release()
+        self._finalizer.detach()
+        self._rows = []
+        self._n = 0
+        self._last_logits = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Context:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._n} committed + {self.pending} pending rows"
+        return f"Context({self.model.name}, {state})"
+
+    # -- internals: rows --------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ContextClosedError("this context is closed")
+
+    def _guard(self) -> _Busy:
+        if self._busy:
+            raise InvalidRequestError("this context is already running a forward pass; await it first")
+        return _Busy(self)
+
+    def _rng(self) -> torch.Generator | None:
+        if self._generator is None and self._seed is not None:
+            self._generator = sampling.generator(self._seed)
+        return self._generator
+
+    def _append_text(self, ids: Sequence[int]) -> None:
+        axes = self.model.arch.position_axes
+        c = self._cursor
+        for t in ids:
+            self._rows.append(Row(token=t, pos=(c,) * axes, next_pos=c + 1))
+            c += 1
+        self._cursor = c
+        if self._chat.open_turn:
+            self._chat.turn_tokens.extend(ids)
+
+    def _append_span(self, prepared: Prepared) -> None:
+        arch = self.model.arch
+        if prepared.family != arch.family:
+            raise InvalidRequestError(
+                f"media prepared for {prepared.family!r} cannot go into a {arch.family!r} model"
+            )
+        placeholder = arch.placeholder_ids().get(prepared.kind)
+        if placeholder is None:
+            raise InvalidRequestError(f"{arch.name} takes no {prepared.kind} input")
+        if prepared.placeholder_id != placeholder:
+            raise InvalidRequestError(
+                f"prepared {prepared.kind} uses placeholder id {prepared.placeholder_id}, the model {placeholder}"
+            )
+        pos = prepared.positions
+        if pos.dim() != 2 or pos.shape[0] != arch.position_axes or pos.shape[1] != prepared.num_rows:
+            raise InvalidRequestError(
+                f"prepared positions have shape {tuple(pos.shape)}, expected "
+                f"({arch.position_axes}, {prepared.num_rows})"
+            )
+        types = prepared.mm_token_type or tuple(
+            MM_TYPES[prepared.kind] if t == prepared.placeholder_id else 0 for t in prepared.input_ids
+        )
+        anchor = self._cursor
+        after = anchor + prepared.position_span
+        span = Span(prepared=prepared, start=len(self._rows))
+        emb = 0
+        pos_list = (pos + anchor).t().tolist()
+        for offset, token in enumerate(prepared.input_ids):
+            is_ph = token == prepared.placeholder_id
+            self._rows.append(
+                Row(
+                    token=int(token),
+                    pos=tuple(pos_list[offset]),
+                    next_pos=after if offset == prepared.num_rows - 1 else max(pos_list[offset]) + 1,
+                    media=MediaRow(prepared.cache_key, offset),
+                    span=span,
+                    emb=emb if is_ph else -1,
+                    mm_type=int(types[offset]),
+                )
+            )
+            emb += int(is_ph)
+        if emb != prepared.token_count:
+            raise InvalidRequestError(
+                f"prepared {prepared.kind} has {emb} placeholder rows but token_count {prepared.token_count}"
+            )
+        self._cursor = after
+
+    def _append_media(self, kind: str, media: Any, params: dict[str, Any]) -> Prepared:
+        self._check_open()
+        prepared = self.model.prepare(media, **params)
+        if prepared.kind != kind:
+            raise InvalidRequestError(f"append_{kind} was given {prepared.kind} media")
+        self._append_span(prepared)
+        return prepared
+
+    # -- internals: chat --------------------------------------------------------------------
+    def _turn(self, role: str, content: Sequence[Any]) -> Context:
+        self._check_open()
+        self._close_turn()
+        parts: list[dict[str, Any]] = []
+        media: list[Prepared] = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append({"type": "text", "text": part})
+            else:
+                p = self.model.prepare(part)
+                media.append(p)
+                parts.append({"type": p.kind})
+        message = {"role": role, "content": parts}
+        self._fill_template(self.model.chat.turn(self._chat.messages, message), media)
+        self._chat.messages.append(message)
+        return self
+
+    def _fill_template(self, text: str, media: list[Prepared]) -> None:
+        arch = self.model.arch
+        rest = text
+        for p in media:
+            marker = arch.media_marker(p.kind)
+            at = rest.find(marker)
+            if at < 0:
+                raise InvalidRequestError(f"the chat template rendered no {p.kind} marker {marker!r}")
+            self._append_text(self.model.tokenize(rest[:at]))
+            self._append_span(p)
+            rest = rest[at + len(marker) :]
+        for kind in arch.placeholder_ids():
+            if arch.media_marker(kind) in rest:
+                raise InvalidRequestError(
+                    f"the turn's text holds a {kind} marker with no {kind} attached "
+                    f"({arch.media_marker(kind)!r}); pass the media as a content part"
+                )
+        if rest:
+            self._append_text(self.model.tokenize(rest))
+
+    def _close_turn(self) -> None:
+        """After a generation in an open assistant turn, complete the turn as the template
+        renders it and record it in the history."""
+        chat = self._chat
+        if not chat.open_turn:
+            return
+        raw = self.model.detokenize(chat.turn_tokens)
+        content = self.model.detokenize(chat.turn_tokens, skip_special_tokens=True)
+        tail = self.model.chat.close_turn(chat.messages, content, raw)
+        chat.open_turn = False
+        chat.turn_tokens = []
+        if tail:
+            self._append_text(self.model.tokenize(tail))
+        chat.messages.append({"role": "assistant", "content": [{"type": "text", "text": content}]})
+
+    def _stop_condition(self, stop: stopping.StopCondition | None, max_tokens: int | None) -> stopping.StopCondition:
+        if stop is None:
+            cond: stopping.StopCondition = stopping.max_tokens(max_tokens or DEFAULT_MAX_TOKENS)
+            if self.model.eos_token_ids:
+                cond = cond | stopping.eos(self.model.eos_token_ids)
+            return cond
+        if max_tokens is not None:
+            return stop | stopping.max_tokens(max_tokens)
+        return stop
+
+    # -- internals: prefill -----------------------------------------------------------------
+    def _pages_for(self, rows: int) -> int:
+        return -(-rows // self._pool.page_size)
+
+    async def _ensure_logits(self) -> None:
+        if self.pending:
+            await self._prefill("last")
+        if self._last_logits is None:
+            if self._n == 0:
+                raise InvalidRequestError("the context is empty: fill something before sampling")
+            # Logits of the last committed row are gone (truncated, restored): recompute it.
+            self._uncommit(1)
+            await self._prefill("last")
+
+    def _uncommit(self, k: int) -> None:
+        n = self._n - k
+        self._n = n
+        del self._table.keys[n // self._pool.page_size :]
+
+    async def _prefill(self, want: LogitsWanted) -> torch.Tensor | None:
+        """Commit every pending row; ``want``: "last" keeps the last row's logits for
+        sampling, "all" also returns every row's logits (and computes every row)."""
+        total = len(self._rows)
+        collected: list[torch.Tensor] = []
+        ps = self._pool.page_size
+        while self._n < total:
+            if want != "all":
+                self._reuse_published_pages(limit=total - 1)
+            start = self._n
+            end = self._chunk_end(start, total)
+            step = self._build_step(start, end, want if end == total else ("all" if want == "all" else "none"))
+            result = await self.model.scheduler.submit(step)
+            self._n = end
+            self._publish_full_pages()
+            if want == "all" and result is not None:
+                collected.append(result)
+            if end == total:
+                self._last_logits = result[-1] if want == "all" else result
+        del ps
+        if want == "all":
+            return torch.cat(collected) if collected else torch.empty(0, self.model.arch.vocab_size)
+        return None
+
+    def _chunk_end(self, start: int, total: int) -> int:
+        limit = self.model.max_prefill_rows
+        end = min(total, start + limit)
+        if end == total:
+            return end
+        rows = self._rows
+        # Never cut a media span, nor a run of vision rows (one bidirectional block).
+        cut = end
+        while cut > start and not self._can_cut(cut):
+            cut -= 1
+        if cut > start:
+            return cut
+        cut = end
+        while cut < total and not self._can_cut(cut):
+            cut += 1
+        del rows
+        return cut
+
+    def _can_cut(self, at: int) -> bool:
+        a, b = self._rows[at - 1], self._rows[at]
+        if a.span is not None and a.span is b.span:
+            return False
+        return not (a.mm_type in (1, 2) and b.mm_type in (1, 2))
+
+    def _reuse_published_pages(self, *, limit: int) -> None:
+        """Take published pages for pending rows that match them (whole pages starting at
+        a page boundary), never covering row ``limit`` (whose logits are needed)."""
+        ps = self._pool.page_size
+        table = self._table
+        while self._n % ps == 0 and self._n + ps <= limit:
+            rows = self._rows[self._n : self._n + ps]
+            parent = table.keys[-1] if table.keys else None
+            if len(table.keys) != self._n // ps:
+                return
+            key = page_key(parent, [r.token for r in rows], [r.media for r in rows], [r.pos for r in rows])
+            page = self._pool.lookup(key)
+            if page is None:
+                return
+            idx = self._n // ps
+            if idx < len(table.pages):
+                self._pool.decref([table.pages[idx]])
+                table.pages[idx] = page
+            else:
+                table.pages.append(page)
+            table.keys.append(key)
+            self._n += ps
+
+    def _reserve(self, start: int, end: int) -> None:
+        """Make the page table cover rows [start, end) with pages this context may write
+        (copy-on-write of a shared or published partly filled page). All or nothing."""
+        pool, table, ps = self._pool, self._table, self._pool.page_size
+        need = max(0, self._pages_for(end) - len(table.pages))
+        tail_idx = start // ps if start % ps else None
+        cow = False
+        if tail_idx is not None and tail_idx < len(table.pages):
+            tail = table.pages[tail_idx]
+            if pool.refcount(tail) > 1:
+                cow = True
+            elif pool.key_of(tail) is not None:
+                pool.unregister(tail)
+        # Pages past the committed rows (left by an earlier failed pass) are ours to reuse.
+        for i in range(self._pages_for(start), len(table.pages)):
+            p = table.pages[i]
+            if pool.refcount(p) > 1 or pool.key_of(p) is not None:
+                raise RuntimeError(f"page {p} past the committed rows is shared")
+        fresh = pool.allocate(need + int(cow))
+        if cow:
+            assert tail_idx is not None
+            dst = fresh.pop()
+            pool.copy_page(table.pages[tail_idx], dst, rows=start % ps)
+            pool.decref([table.pages[tail_idx]])
+            table.pages[tail_idx] = dst
+        table.pages.extend(fresh)
+
+    def _build_step(self, start: int, end: int, want: LogitsWanted) -> StepInput:
+        self._reserve(start, end)
+        rows = self._rows[start:end]
+        positions = torch.tensor([r.pos for r in rows], dtype=torch.long).t().contiguous()
+        media = self._media_rows(rows)
+        block_ids = None
+        if self.model.runner.block_overlay_layers:
+            ids, current, prev = [], -1, False
+            for r in rows:
+                vision = r.mm_type in (1, 2)
+                if vision and not prev:
+                    current += 1
+                ids.append(current if vision else -1)
+                prev = vision
+            if current >= 0:
+                block_ids = torch.tensor(ids, dtype=torch.long)
+        return StepInput(
+            tokens=[r.token for r in rows],
+            positions=positions,
+            kv_start=start,
+            pages=list(self._table.pages),
+            media=media,
+            block_ids=block_ids,
+            logits=want,
+        )
+
+    def _media_rows(self, rows: list[Row]) -> list[MediaRows]:
+        spans: dict[int, tuple[Span, list[int], list[int]]] = {}
+        for i, r in enumerate(rows):
+            if r.span is not None and r.emb >= 0:
+                entry = spans.setdefault(id(r.span), (r.span, [], []))
+                entry[1].append(i)
+                entry[2].append(r.emb)
+        if not spans:
+            return []
+        items = list(spans.values())
+        encoded = self.model.encode([s.prepared for s, _, _ in items])
+        out = []
+        for (span, at, emb), enc in zip(items, encoded, strict=True):
+            if enc.embeddings.shape[0] != span.prepared.token_count:
+                raise InvalidRequestError(
+                    f"encoder gave {enc.embeddings.shape[0]} rows for {span.prepared.token_count} placeholders"
+                )
+            sel = torch.tensor(emb, dtype=torch.long)
+            out.append(
+                MediaRows(
+                    rows=torch.tensor(at, dtype=torch.long),
+                    embeds=enc.embeddings[sel.to(enc.embeddings.device)],
+                    deepstack=[d[sel.to(d.device)] for d in enc.deepstack] if enc.deepstack else None,
+                )
+            )
+        return out
+
+    def _publish_full_pages(self) -> None:
+        ps, table, pool = self._pool.page_size, self._table, self._pool
+        for idx in range(len(table.keys), self._n // ps):
+            rows = self._rows[idx * ps : (idx + 1) * ps]
+            parent = table.keys[-1] if table.keys else None
+            key = page_key(parent, [r.token for r in rows], [r.media for r in rows], [r.pos for r in rows])
+            table.pages[idx] = pool.register(table.pages[idx], key)
+            table.keys.append(key)
+
+
+class _Busy:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        self.ctx._busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.ctx._busy = False

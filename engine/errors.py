@@ -1,0 +1,81 @@
+"""Typed engine errors, each with a stable ``code`` (for APIs and logs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EngineError(Exception):
+    """Base class of everything the engine raises on purpose."""
+
+    code: str = "engine_error"
+
+    def __init__(self, message: str, **details: Any):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, **self.details}
+
+
+class ModelLoadError(EngineError):
+    """A checkpoint could not be loaded (missing files, unreadable config, bad weights)."""
+
+    code = "model_load_error"
+
+
+class MissingCheckpointFileError(ModelLoadError):
+    """A file the checkpoint needs (config.json, weights, tokenizer) is absent."""
+
+    code = "missing_checkpoint_file"
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """config.json names an architecture the engine does not serve."""
+
+    code = "unsupported_architecture"
+
+
+class CheckpointShapeError(ModelLoadError):
+    """The weights do not fit the architecture the config describes."""
+
+    code = "checkpoint_shape_mismatch"
+
+
+class OutOfPagesError(EngineError):
+    """The KV page pool cannot hold what was asked; nothing was changed."""
+
+    code = "out_of_kv_pages"
+
+    def __init__(self, message: str, *, needed: int, available: int):
+        super().__init__(message, needed=needed, available=available)
+        self.needed = needed
+        self.available = available
+
+
+class ContextClosedError(EngineError):
+    """The context was closed; its pages are gone."""
+
+    code = "context_closed"
+
+
+class SavedContextNotFoundError(EngineError, KeyError):
+    """No context was saved under that name."""
+
+    code = "saved_context_not_found"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+class SavedContextExistsError(EngineError):
+    """A context is already saved under that name."""
+
+    code = "saved_context_exists"
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The call's arguments make no sense for this context or model."""
+
+    code = "invalid_request"

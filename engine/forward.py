@@ -1,0 +1,160 @@
+"""One forward pass over the pending work of many sequences.
+
+Every sequence contributes a ``StepInput`` (a prefill chunk or one decode token): its
+token ids, absolute positions, media embeddings for the placeholder rows in it, the
+page table that covers its rows and how many rows its KV already holds. ``ForwardRunner``
+flattens them into one batch row (see ``engine.attention``), builds the K/V slot of
+every row, runs the architecture's language model once and returns, per sequence, the
+logits it asked for (none, the last row's, or every row's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from engine.architectures import Architecture, TextInputs
+from engine.attention import AttentionBackend, BatchMeta, SeqMeta
+from engine.kv_pool import KVPool
+
+LogitsWanted = Literal["none", "last", "all"]
+
+
+@dataclass
+class MediaRows:
+    """Media embeddings for some rows of one step."""
+
+    rows: torch.Tensor
+    """(M,) row indices inside the step."""
+    embeds: torch.Tensor
+    """(M, hidden)."""
+    deepstack: list[torch.Tensor] | None = None
+    """Per DeepStack layer (M, hidden), or None."""
+
+
+@dataclass
+class StepInput:
+    tokens: list[int]
+    positions: torch.Tensor
+    """(n_axes, len(tokens)) long, absolute."""
+    kv_start: int
+    pages: list[int]
+    """Page table covering ``kv_start + len(tokens)`` rows."""
+    media: list[MediaRows] = field(default_factory=list)
+    block_ids: torch.Tensor | None = None
+    """(len(tokens),) bidirectional block id per row (-1 none), or None."""
+    logits: LogitsWanted = "last"
+
+
+class ForwardRunner:
+    def __init__(
+        self,
+        arch: Architecture,
+        pool: KVPool,
+        *,
+        device: torch.device,
+        backend: AttentionBackend | None = None,
+    ):
+        self.arch = arch
+        self.pool = pool
+        self.device = device
+        self.backend = backend
+        self.block_overlay_layers = arch.block_overlay_layers()
+        self.passes = 0
+        self.rows_computed = 0
+
+    def run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
+        """Logits per step: (V,) for "last", (rows, V) for "all", None for "none"."""
+        if not steps:
+            return []
+        dev = self.device
+        ps = self.pool.page_size
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        seqs: list[SeqMeta] = []
+        media_rows: list[torch.Tensor] = []
+        media_embeds: list[torch.Tensor] = []
+        media_deepstack: list[list[torch.Tensor] | None] = []
+        start = 0
+        for step in steps:
+            n = len(step.tokens)
+            if n == 0:
+                raise ValueError("a forward step must compute at least one row")
+            need_pages = -(-(step.kv_start + n) // ps)
+            if len(step.pages) < need_pages:
+                raise RuntimeError(f"page table covers {len(step.pages) * ps} rows, {step.kv_start + n} needed")
+            ids.extend(step.tokens)
+            positions.append(step.positions)
+            table = torch.tensor(step.pages[:need_pages], dtype=torch.long)
+            rows = torch.arange(step.kv_start, step.kv_start + n)
+            slots.append(table[rows // ps] * ps + rows % ps)
+            seqs.append(
+                SeqMeta(
+                    q_start=start,
+                    q_len=n,
+                    kv_start=step.kv_start,
+                    pages=table.to(dev),
+                    block_ids=step.block_ids.to(dev) if step.block_ids is not None else None,
+                )
+            )
+            for m in step.media:
+                media_rows.append(m.rows + start)
+                media_embeds.append(m.embeds)
+                media_deepstack.append(m.deepstack)
+            start += n
+
+        deepstack = None
+        if media_rows and any(d for d in media_deepstack):
+            depth = max(len(d) for d in media_deepstack if d)
+            deepstack = []
+            for layer in range(depth):
+                parts = []
+                for emb, d in zip(media_embeds, media_deepstack, strict=True):
+                    parts.append(d[layer] if d and layer < len(d) else torch.zeros_like(emb))
+                deepstack.append(torch.cat(parts).to(dev))
+        inp = TextInputs(
+            ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.cat(positions, dim=1).to(dev),
+            media_rows=torch.cat(media_rows).to(dev) if media_rows else torch.empty(0, dtype=torch.long, device=dev),
+            media_embeds=torch.cat(media_embeds).to(dev) if media_embeds else None,
+            deepstack=deepstack,
+        )
+        meta = BatchMeta(
+            pool=self.pool,
+            seqs=seqs,
+            slots=torch.cat(slots).to(dev),
+            block_overlay_layers=self.block_overlay_layers,
+            backend=self.backend,
+        )
+        with torch.inference_mode():
+            hidden = self.arch.hidden_states(inp, pie_batch=meta)
+            want_rows: list[torch.Tensor] = []
+            for step, seq in zip(steps, seqs, strict=True):
+                if step.logits == "last":
+                    want_rows.append(torch.tensor([seq.q_start + seq.q_len - 1]))
+                elif step.logits == "all":
+                    want_rows.append(torch.arange(seq.q_start, seq.q_start + seq.q_len))
+            logits = None
+            if want_rows:
+                logits = self.arch.logits(hidden[torch.cat(want_rows).to(dev)]).float()
+        self.passes += 1
+        self.rows_computed += start
+
+        out: list[torch.Tensor | None] = []
+        at = 0
+        for step in steps:
+            if step.logits == "none":
+                out.append(None)
+            elif step.logits == "last":
+                assert logits is not None
+                out.append(logits[at])
+                at += 1
+            else:
+                assert logits is not None
+                n = len(step.tokens)
+                out.append(logits[at : at + n])
+                at += n
+        return out

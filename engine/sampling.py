@@ -1,0 +1,328 @@
+"""Token samplers: Pie's built-ins (greedy, top-p, top-k, min-p, top-k+top-p, custom) over torch.
+
+A `Sampler` is an immutable value (hashable, reusable across contexts); the random state lives in a
+`torch.Generator` owned by each context (`generator(seed)`). `sample()` takes a (B, V) logits batch
+with one sampler and one generator per row and is vectorised over the non-custom rows.
+
+Post-processing matches transformers' `generate(do_sample=True)` warpers applied in its order,
+TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper -> MinPLogitsWarper (with
+min_tokens_to_keep=1), then softmax:
+
+- top-k keeps every token whose logit is >= the k-th largest (ties at the k-th are all kept);
+- top-p sorts ascending, removes tokens whose ascending cumulative probability is <= 1 - top_p and
+  always keeps the most probable one, i.e. it keeps the smallest prefix of the most probable tokens
+  whose mass reaches top_p, *including* the token that crosses the threshold;
+- min-p removes tokens whose probability is < min_p * max probability.
+
+Temperature 0 means greedy (argmax, first index on ties, as `torch.argmax` and transformers).
+Drawing: one uniform per sampled row from that row's generator, inverted through the float64 CDF,
+so a seeded context yields the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+CustomFn = Callable[[list[int], list[float]], int]
+"""A custom sampler: (candidate ids, their probabilities), most probable first -> chosen id."""
+
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Sampling parameters. Build with the constructors (`Sampler.top_p(0.7, 0.9)`, ...).
+
+    `topk=None`, `topp=1.0` and `minp=0.0` disable a filter. A custom sampler (`fn` set) gets the
+    `candidates` most probable tokens of softmax(logits / temperature) and returns the chosen id.
+    """
+
+    temperature: float = 1.0
+    topk: int | None = None
+    topp: float = 1.0
+    minp: float = 0.0
+    fn: CustomFn | None = None
+    candidates: int | None = 256
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        k = self.topk
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
+        if isinstance(self.topp, bool) or not isinstance(self.topp, int | float) or not 0 < self.topp <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.topp!r}")
+        if isinstance(self.minp, bool) or not isinstance(self.minp, int | float) or not 0 <= self.minp <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.minp!r}")
+        if self.fn is not None and not callable(self.fn):
+            raise ValueError(f"custom sampler must be callable, got {type(self.fn).__name__}")
+        n = self.candidates
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"candidates must be an integer >= 1 or None (all tokens), got {n!r}")
+
+    # --- Pie's constructors -------------------------------------------------------------------
+
+    @classmethod
+    def greedy(cls) -> Sampler:
+        """Always the most probable token."""
+        return cls(temperature=0.0)
+
+    @classmethod
+    def multinomial(cls, temperature: float = 1.0) -> Sampler:
+        """Plain temperature sampling over the whole vocabulary."""
+        return cls(temperature=temperature)
+
+    @classmethod
+    def top_p(cls, temperature: float, top_p: float) -> Sampler:
+        """Nucleus sampling."""
+        return cls(temperature=temperature, topp=top_p)
+
+    @classmethod
+    def top_k(cls, temperature: float, top_k: int) -> Sampler:
+        """Sample among the k most probable tokens."""
+        return cls(temperature=temperature, topk=top_k)
+
+    @classmethod
+    def min_p(cls, temperature: float, min_p: float) -> Sampler:
+        """Sample among tokens with probability >= min_p * the top probability."""
+        return cls(temperature=temperature, minp=min_p)
+
+    @classmethod
+    def top_k_top_p(cls, temperature: float, top_k: int, top_p: float) -> Sampler:
+        """Top-k, then top-p on what is left."""
+        return cls(temperature=temperature, topk=top_k, topp=top_p)
+
+    @classmethod
+    def reasoning(cls) -> Sampler:
+        """Pie's preset for reasoning models: top_k_top_p(0.6, 20, 0.95)."""
+        return cls.top_k_top_p(0.6, 20, 0.95)
+
+    @classmethod
+    def custom(cls, fn: CustomFn, temperature: float = 1.0, candidates: int | None = 256) -> Sampler:
+        """`fn(ids, probs) -> id` chooses the token (Pie's `Sample` trait).
+
+        ids: up to `candidates` (None = all) token ids with nonzero probability under
+        softmax(logits / temperature), most probable first, ties by lower id; probs: their
+        probabilities (not renormalised over the candidates). Temperature 0 gives the unscaled
+        softmax (the choice is fn's, so there is no greedy shortcut). fn may return any id in the
+        vocabulary, normally one of `ids`.
+        """
+        return cls(temperature=temperature, fn=fn, candidates=candidates)
+
+    # --- queries --------------------------------------------------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.fn is None and self.temperature == 0
+
+    @property
+    def is_custom(self) -> bool:
+        return self.fn is not None
+
+    def sample(self, logits: torch.Tensor, generators: Generators = None) -> torch.Tensor:
+        """Sample one token per row of (B, V) logits with this sampler -> (B,) int64."""
+        return sample(logits, self, generators)
+
+
+def generator(seed: int | None = None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh generator for one context; seeded when `seed` is given, else from OS entropy."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dim() == 1:
+        logits = logits.unsqueeze(0)
+    if logits.dim() != 2 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be (V,) or (B, V) with V > 0, got shape {tuple(logits.shape)}")
+    return logits.float()
+
+
+def _per_row(samplers: Sampler | Sequence[Sampler], batch: int) -> list[Sampler]:
+    if isinstance(samplers, Sampler):
+        return [samplers] * batch
+    samplers = list(samplers)
+    if len(samplers) != batch:
+        raise ValueError(f"got {len(samplers)} samplers for {batch} rows")
+    return samplers
+
+
+def _warp(scores: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p with per-row parameters; removed logits become -inf."""
+    kept, ids = _filter(scores, samplers)
+    return kept if ids is None else torch.full_like(scores, float("-inf")).scatter(1, ids, kept)
+
+
+def _filter(scores: torch.Tensor, samplers: list[Sampler]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_warp`, compact when every row has top-k: (filtered top candidates, their ids), else (all, None)."""
+    dev, vocab = scores.device, scores.shape[1]
+    temps = [1.0 if s.temperature == 0 else float(s.temperature) for s in samplers]
+    scores = scores / torch.tensor(temps, device=dev).unsqueeze(1)
+    ks = [min(s.topk or vocab, vocab) for s in samplers]
+    if max(ks) == vocab and any(s.topk is not None for s in samplers):
+        k = torch.tensor(ks, device=dev).unsqueeze(1)
+        kth = scores.topk(max(ks), dim=-1).values.gather(1, k - 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    elif max(ks) < vocab:  # every row has top-k: filter only its top candidates (big vocabularies)
+        k = torch.tensor(ks, device=dev).unsqueeze(1)
+        vals, ids = scores.topk(max(ks) + 1, dim=-1)
+        if not (vals.gather(1, k) == vals.gather(1, k - 1)).any():  # no tie straddles the k-th place
+            vals = vals.masked_fill(torch.arange(vals.shape[1], device=dev) >= k, float("-inf"))
+            ids, order = ids.sort(dim=-1)  # vocabulary order, so draws match the full path's
+            return _top_p_min_p(vals.gather(1, order), samplers), ids
+        scores = scores.masked_fill(scores < vals.gather(1, k - 1), float("-inf"))
+    return _top_p_min_p(scores, samplers), None
+
+
+def _top_p_min_p(scores: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    dev, inf = scores.device, float("-inf")
+    if any(s.topp < 1 for s in samplers):
+        # Same ops as TopPLogitsWarper; (1 - p) is computed in double, then rounded like its scalar.
+        sorted_scores, order = scores.sort(dim=-1, descending=False)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        cut = torch.tensor([1.0 - float(s.topp) for s in samplers], device=dev).unsqueeze(1)
+        drop = cum <= cut
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), inf)
+    if any(s.minp > 0 for s in samplers):
+        probs = scores.softmax(dim=-1)
+        m = torch.tensor([float(s.minp) for s in samplers], device=dev).unsqueeze(1)
+        drop = probs < m * probs.amax(dim=-1, keepdim=True)
+        drop.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(drop, inf)
+    return scores
+
+
+def probs(logits: torch.Tensor, samplers: Sampler | Sequence[Sampler]) -> torch.Tensor:
+    """The post-processing distribution, (B, V) float32 (a (V,) input gives (1, V)).
+
+    Greedy rows are one-hot at the argmax; custom rows are softmax(logits / temperature), the
+    distribution their candidates come from.
+    """
+    scores = _rows(logits)
+    rows = _per_row(samplers, scores.shape[0])
+    out = torch.empty_like(scores)
+    plain = [i for i, s in enumerate(rows) if not s.is_greedy and not s.is_custom]
+    if plain:
+        idx = torch.tensor(plain, device=scores.device)
+        out[idx] = _warp(scores[idx], [rows[i] for i in plain]).softmax(dim=-1)
+    greedy = [i for i, s in enumerate(rows) if s.is_greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=scores.device)
+        out[idx] = torch.nn.functional.one_hot(scores[idx].argmax(dim=-1), scores.shape[1]).float()
+    for i, s in enumerate(rows):
+        if s.is_custom:
+            out[i] = _custom_probs(scores[i], s)
+    return out
+
+
+def _custom_probs(row: torch.Tensor, s: Sampler) -> torch.Tensor:
+    return (row / (s.temperature or 1.0)).softmax(dim=-1)
+
+
+def candidates(logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], list[float]]:
+    """What a custom sampler is shown for one (V,) logits row: (ids, probs), most probable first."""
+    p = _custom_probs(_rows(logits)[0], sampler)
+    ids, ps = _sorted_nonzero(p, sampler.candidates)
+    return ids.tolist(), ps.tolist()
+
+
+def _sorted_nonzero(p: torch.Tensor, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    ps, ids = p.sort(descending=True, stable=True)
+    n = int((ps > 0).sum())
+    n = n if limit is None else min(n, limit)
+    return ids[:n], ps[:n]
+
+
+def dist(
+    logits: torch.Tensor, sampler: Sampler, top_n: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution `sampler` draws from for one (V,) logits row, as (ids, probs).
+
+    Tokens with nonzero probability only, most probable first (ties by lower id), at most `top_n`.
+    Greedy: ([argmax], [1.0]). Custom: its candidates (what fn receives). This backs
+    `Context.decode_step_dist()`.
+    """
+    if sampler.is_custom:
+        ids, ps = candidates(logits, sampler)
+        if top_n is not None:
+            ids, ps = ids[:top_n], ps[:top_n]
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(ps, dtype=torch.float32)
+    return _sorted_nonzero(probs(logits, sampler)[0], top_n)
+
+
+def _uniforms(n: int, generators: Generators, rows: list[int]) -> torch.Tensor:
+    """One U[0, 1) draw (float64, on CPU) for each listed row, from that row's generator."""
+    if generators is None or isinstance(generators, torch.Generator):
+        g = generators
+        dev = g.device if g is not None else "cpu"
+        return torch.rand(len(rows), generator=g, dtype=torch.float64, device=dev).cpu()
+    gens = list(generators)
+    if len(gens) != n:
+        raise ValueError(f"got {len(gens)} generators for {n} rows")
+    draws = []
+    for i in rows:
+        g = gens[i]
+        dev = g.device if g is not None else "cpu"
+        draws.append(torch.rand(1, generator=g, dtype=torch.float64, device=dev).cpu())
+    return torch.cat(draws) if draws else torch.empty(0, dtype=torch.float64)
+
+
+def _draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row; never returns a zero-probability token."""
+    cdf = p.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u.to(cdf.device).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+
+
+def sample(
+    logits: torch.Tensor, samplers: Sampler | Sequence[Sampler], generators: Generators = None
+) -> torch.Tensor:
+    """Sample one token per row of (B, V) logits -> (B,) int64 on the logits' device.
+
+    samplers: one for all rows or one per row. generators: None (torch's default RNG), one
+    generator for the whole batch (rows draw consecutively from it), or one per row (None
+    entries use the default RNG). Greedy rows draw nothing.
+    """
+    scores = _rows(logits)
+    n = scores.shape[0]
+    rows = _per_row(samplers, n)
+    out = torch.empty(n, dtype=torch.long, device=scores.device)
+    greedy = [i for i, s in enumerate(rows) if s.is_greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=scores.device)
+        out[idx] = scores[idx].argmax(dim=-1)
+    plain = [i for i, s in enumerate(rows) if not s.is_greedy and not s.is_custom]
+    if plain:
+        idx = torch.tensor(plain, device=scores.device)
+        kept, ids = _filter(scores[idx], [rows[i] for i in plain])
+        drawn = _draw(kept.softmax(dim=-1), _uniforms(n, generators, plain))
+        out[idx] = drawn if ids is None else ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
+    for i, s in enumerate(rows):
+        if s.is_custom:
+            out[i] = _run_custom(scores[i], s)
+    return out
+
+
+def _run_custom(row: torch.Tensor, s: Sampler) -> int:
+    ids, ps = candidates(row, s)
+    assert s.fn is not None
+    choice = s.fn(ids, ps)
+    try:
+        token = operator.index(choice)
+    except TypeError:
+        token = -1
+    if isinstance(choice, bool) or not 0 <= token < row.shape[-1]:
+        raise ValueError(f"custom sampler returned {choice!r}; expected a token id in [0, {row.shape[-1]})")
+    return token

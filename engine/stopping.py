@@ -1,0 +1,190 @@
+"""Composable stop conditions: `max_tokens(32) | eos({2}) | stop_strings("\\n\\n")`.
+
+A condition is an immutable description, reusable across contexts and generations. Per-generation
+state lives in a tracker: `tracker = cond.start()`, then after every generated token
+`tracker.check(token_ids, text)`, where token_ids are all tokens generated so far and text their
+decoded text. `cond.check(token_ids, text)` is the stateless one-shot form (a fresh tracker).
+
+When several conditions fire on the same token the reason is chosen by priority: stop_string
+(its text is the shortest, truncated one), then eos, then length (the model's own stop wins over
+the budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+Kind = Literal["length", "eos", "stop_string"]
+_PRIORITY: dict[str, int] = {"stop_string": 0, "eos": 1, "length": 2}
+
+
+@dataclass(frozen=True)
+class StopReason:
+    """Why generation stopped.
+
+    kind: "length" | "eos" | "stop_string" (the API's finish reason).
+    text: the text to return: for "stop_string" truncated before the stop string (or through it
+      when the condition was built with include=True); otherwise the text as checked.
+    detail: the token budget, the EOS id that fired, or the stop string matched.
+    """
+
+    kind: Kind
+    text: str
+    detail: int | str
+
+
+class Tracker(Protocol):
+    def check(self, token_ids: list[int], text: str) -> StopReason | None: ...
+
+
+class StopCondition:
+    """Base class: `start()` makes a per-generation tracker; `a | b` stops when either does."""
+
+    def start(self) -> Tracker:
+        raise NotImplementedError
+
+    def check(self, token_ids: list[int], text: str) -> StopReason | None:
+        """One-shot check of a whole generation so far (no state kept)."""
+        return self.start().check(token_ids, text)
+
+    def __or__(self, other: StopCondition) -> StopCondition:
+        if not isinstance(other, StopCondition):
+            return NotImplemented
+        return AnyOf((*_parts(self), *_parts(other)))
+
+
+def _parts(c: StopCondition) -> tuple[StopCondition, ...]:
+    return c.conditions if isinstance(c, AnyOf) else (c,)
+
+
+class _Stateless:
+    """Tracker for conditions that need no memory between steps."""
+
+    def __init__(self, cond: MaxTokens | Eos) -> None:
+        self._cond = cond
+
+    def check(self, token_ids: list[int], text: str) -> StopReason | None:
+        return self._cond._test(token_ids, text)
+
+
+@dataclass(frozen=True)
+class MaxTokens(StopCondition):
+    n: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.n!r}")
+
+    def start(self) -> Tracker:
+        return _Stateless(self)
+
+    def _test(self, token_ids: list[int], text: str) -> StopReason | None:
+        return StopReason("length", text, self.n) if len(token_ids) >= self.n else None
+
+
+@dataclass(frozen=True)
+class Eos(StopCondition):
+    ids: frozenset[int]
+
+    def start(self) -> Tracker:
+        return _Stateless(self)
+
+    def _test(self, token_ids: list[int], text: str) -> StopReason | None:
+        if token_ids and token_ids[-1] in self.ids:
+            return StopReason("eos", text, token_ids[-1])
+        return None
+
+
+@dataclass(frozen=True)
+class StopStrings(StopCondition):
+    strings: tuple[str, ...]
+    include: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.strings or any(not isinstance(s, str) or not s for s in self.strings):
+            raise ValueError(f"stop_strings needs one or more non-empty strings, got {self.strings!r}")
+
+    def start(self) -> Tracker:
+        return _StopStringTracker(self)
+
+
+class _StopStringTracker:
+    """Scans only the new tail of the text (plus len(longest) - 1 characters of overlap)."""
+
+    def __init__(self, cond: StopStrings) -> None:
+        self._cond = cond
+        self._overlap = max(map(len, cond.strings)) - 1
+        self._seen = ""  # text already scanned without a match
+
+    def check(self, token_ids: list[int], text: str) -> StopReason | None:
+        seen = self._seen
+        if text.startswith(seen):
+            common = len(seen)
+        else:  # the decoder revised its tail (e.g. a completed multi-byte character)
+            pairs = enumerate(zip(seen, text, strict=False))
+            common = next((i for i, (a, b) in pairs if a != b), min(len(seen), len(text)))
+        begin = max(0, common - self._overlap)
+        best: tuple[int, int, str] | None = None  # (position, -length, string): earliest, then longest
+        for s in self._cond.strings:
+            pos = text.find(s, begin)
+            if pos >= 0 and (best is None or (pos, -len(s)) < best[:2]):
+                best = (pos, -len(s), s)
+        if best is None:
+            self._seen = text
+            return None
+        pos, _, s = best
+        end = pos + len(s) if self._cond.include else pos
+        return StopReason("stop_string", text[:end], s)
+
+
+@dataclass(frozen=True)
+class AnyOf(StopCondition):
+    conditions: tuple[StopCondition, ...]
+
+    def start(self) -> Tracker:
+        return _AnyTracker([c.start() for c in self.conditions])
+
+
+class _AnyTracker:
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self._trackers = trackers
+
+    def check(self, token_ids: list[int], text: str) -> StopReason | None:
+        fired = [r for t in self._trackers if (r := t.check(token_ids, text)) is not None]
+        return min(fired, key=lambda r: _PRIORITY[r.kind]) if fired else None
+
+
+def max_tokens(n: int) -> MaxTokens:
+    """Stop once n tokens have been generated ("length")."""
+    return MaxTokens(n)
+
+
+def eos(ids: int | Iterable[int]) -> Eos:
+    """Stop when the last generated token is one of `ids` ("eos"); the EOS token stays in the ids."""
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"eos ids must be non-negative integers, got {ids!r}")
+    return Eos(frozenset(ids))
+
+
+def eos_from(source: Any) -> Eos:
+    """EOS ids from a GenerationConfig / model config (its `eos_token_id`), a dict, an id or ids."""
+    ids = source
+    if isinstance(source, dict):
+        ids = source.get("eos_token_id")
+    elif hasattr(source, "eos_token_id"):
+        ids = source.eos_token_id
+    if ids is None or (not isinstance(ids, int) and not list(ids)):
+        raise ValueError(f"no EOS token ids found in {type(source).__name__}")
+    return eos(ids)
+
+
+def stop_strings(*strings: str, include: bool = False) -> StopStrings:
+    """Stop when the generated text contains any of `strings` ("stop_string").
+
+    Matches may span token boundaries. The returned text ends just before the earliest match
+    (the stop string is excluded, as in the OpenAI API) unless include=True.
+    """
+    return StopStrings(tuple(strings), include)
