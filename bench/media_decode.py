@@ -34,20 +34,26 @@ from media import Image, Video  # noqa: E402
 from media import video as video_mod  # noqa: E402
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    times, out = [], None
+def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, float, object]:
+    """Median wall-clock and median process CPU time of ``repeats`` calls, and the last result.
+
+    With decoder threads off the work is single-threaded, so CPU time measures the
+    decoding work and is far less disturbed than wall time on a shared machine.
+    """
+    walls, cpus, out = [], [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus), out
 
 
 def bench_jpeg(samples: Path, repeats: int) -> None:
     data = (samples / "images" / "photo_4032x3024.jpg").read_bytes()
     Image.from_bytes(data)  # warm-up (imports, plugin registry)
-    full_t, full = median_time(lambda: Image.from_bytes(data), repeats)
-    red_t, red = median_time(lambda: Image.from_bytes(data, reduce_to=(1008, 756)), repeats)
+    full_t, _, full = median_time(lambda: Image.from_bytes(data), repeats)
+    red_t, _, red = median_time(lambda: Image.from_bytes(data, reduce_to=(1008, 756)), repeats)
     print("(a) JPEG 4032x3024 decode")
     print(f"    {'path':<28}{'size':>12}{'ms':>10}{'ratio':>9}")
     print(f"    {'full decode':<28}{'{}x{}'.format(*full.size):>12}{full_t * 1e3:>10.1f}{1.0:>9.2f}")
@@ -60,10 +66,10 @@ def bench_jpeg(samples: Path, repeats: int) -> None:
 
 def bench_video(bench: Path, repeats: int) -> None:
     print("(b) Video: 16 frames from 60 s 1280x720 30 fps H.264 (sequential = 1.00)")
-    print(f"    cores={os.cpu_count()} decoder threads={video_mod.THREAD_TYPE or 'off'}")
+    print(f"    cores={os.cpu_count()} decoder threads={video_mod.THREAD_TYPE or 'off'}; median of {repeats}")
     print(
-        f"    {'clip':<26}{'strategy':<12}{'ms':>9}{'ratio':>8}{'decoded':>9}{'seeks':>7}"
-        f"{'model est.':>12}  auto picks"
+        f"    {'clip':<24}{'strategy':<12}{'wall ms':>9}{'cpu ms':>8}{'ratio':>7}{'decoded':>9}"
+        f"{'seeks':>7}{'model':>7}  auto picks"
     )
     for name in BENCH_CLIPS:
         v = Video.from_bytes((bench / name).read_bytes())
@@ -72,38 +78,37 @@ def bench_video(bench: Path, repeats: int) -> None:
         est = {"sequential": plan.sequential_frames, "seek": plan.seek_frames, "auto": plan.auto_frames}
         results = {}
         for strategy in ("sequential", "seek", "auto"):
-            t, s = median_time(
+            results[strategy] = median_time(
                 lambda v=v, strategy=strategy: v.sample(max_frames=16, strategy=strategy), repeats
             )
+            s = results[strategy][2]
             assert [read_marker(f) for f in s.frames] == [i % 256 for i in s.indices]
-            results[strategy] = (t, s)
-        base = results["sequential"][0]
-        first = results["sequential"][1].frames
-        for strategy, (t, s) in results.items():
+        base = results["sequential"][1]
+        first = results["sequential"][2].frames
+        for strategy, (wall, cpu, s) in results.items():
             assert (s.frames == first).all(), "strategies must return identical frames"
             pick = s.strategy if strategy == "auto" else ""
             print(
-                f"    {name:<26}{strategy:<12}{t * 1e3:>9.0f}{t / base:>8.2f}{s.frames_decoded:>9}"
-                f"{s.seeks:>7}{est[strategy]:>12}  {pick}"
+                f"    {name:<24}{strategy:<12}{wall * 1e3:>9.0f}{cpu * 1e3:>8.0f}{cpu / base:>7.2f}"
+                f"{s.frames_decoded:>9}{s.seeks:>7}{est[strategy]:>7}  {pick}"
             )
         kf = v.keyframe_indices
         gop = (kf[1] - kf[0]) if len(kf) > 1 else v.frame_count
-        print(f"    {'':<26}(keyframes: {len(kf)}, every {gop} frames)")
+        print(f"    {'':<24}(keyframes: {len(kf)}, one every {gop} frames)")
+    print("    ratio = cpu time / sequential cpu time; model = frames the cost model expects to decode")
     print()
 
 
-def bench_sweep(bench: Path) -> None:
-    print("(c) Where seeking stops paying: time(seek) / time(sequential), and auto's choice")
-    print(f"    {'clip':<26}{'frames':>7}{'seek/seq':>10}{'auto/seq':>10}  auto picks (seeks)")
+def bench_sweep(bench: Path, repeats: int) -> None:
+    print("(c) Where seeking stops paying: cpu time / sequential cpu time, and auto's choice")
+    print(f"    {'clip':<24}{'frames':>7}{'seek':>7}{'auto':>7}  auto picks (seeks)")
     for name in BENCH_CLIPS:
         v = Video.from_bytes((bench / name).read_bytes())
-        seq_t, _ = median_time(lambda v=v: v.sample(max_frames=4, strategy="sequential"), 1)
+        _, seq, _ = median_time(lambda v=v: v.sample(max_frames=4, strategy="sequential"), repeats)
         for n in (4, 64, 256):
-            seek_t, _ = median_time(lambda v=v, n=n: v.sample(max_frames=n, strategy="seek"), 1)
-            auto_t, s = median_time(lambda v=v, n=n: v.sample(max_frames=n, strategy="auto"), 1)
-            print(
-                f"    {name:<26}{n:>7}{seek_t / seq_t:>10.2f}{auto_t / seq_t:>10.2f}  {s.strategy} ({s.seeks})"
-            )
+            _, seek, _ = median_time(lambda v=v, n=n: v.sample(max_frames=n, strategy="seek"), repeats)
+            _, auto, s = median_time(lambda v=v, n=n: v.sample(max_frames=n, strategy="auto"), repeats)
+            print(f"    {name:<24}{n:>7}{seek / seq:>7.2f}{auto / seq:>7.2f}  {s.strategy} ({s.seeks})")
     print()
 
 
@@ -119,7 +124,7 @@ def main() -> None:
     bench_jpeg(samples, args.repeats)
     bench_video(bench, args.repeats)
     if not args.no_sweep:
-        bench_sweep(bench)
+        bench_sweep(bench, args.repeats)
 
 
 if __name__ == "__main__":

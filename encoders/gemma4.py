@@ -181,16 +181,23 @@ class Gemma4Encoder(MediaEncoder):
         defers that until the first ``encode`` (prepare-only users never pay for it).
         """
         if model_dir is None:
-            raise UnsupportedModelError("Gemma-4 needs its checkpoint directory (processor configs, tokenizer)")
+            raise UnsupportedModelError(
+                "Gemma-4 needs its checkpoint directory (processor configs, tokenizer)"
+            )
         model_dir = Path(model_dir)
         if config.get("vision_config") is None and config.get("audio_config") is None:
-            raise UnsupportedModelError(f"{model_dir.name}: config.json has neither a vision_config nor an audio_config")
+            raise UnsupportedModelError(
+                f"{model_dir.name}: config.json has neither a vision_config nor an audio_config"
+            )
         blocks = _read_processor_configs(model_dir)
         image = VisionSettings.from_dict(blocks.get("image_processor") or {}, video=False)
         video = VisionSettings.from_dict(blocks.get("video_processor") or {}, video=True)
         vision_cfg = config.get("vision_config") or {}
         for what, s in (("image", image), ("video", video)):
-            expected = (vision_cfg.get("patch_size", s.patch_size), vision_cfg.get("pooling_kernel_size", s.pooling_kernel_size))
+            expected = (
+                vision_cfg.get("patch_size", s.patch_size),
+                vision_cfg.get("pooling_kernel_size", s.pooling_kernel_size),
+            )
             if (s.patch_size, s.pooling_kernel_size) != expected:
                 raise UnsupportedModelError(
                     f"{what} processor patch/pooling sizes {(s.patch_size, s.pooling_kernel_size)} "
@@ -244,7 +251,9 @@ class Gemma4Encoder(MediaEncoder):
             with self._tower_lock:
                 missing = [name for name in wanted if name not in self._towers]
                 if missing:
-                    self._towers.update(_build_towers(self.model_dir, self.config, missing, self.device, self.dtype))
+                    self._towers.update(
+                        _build_towers(self.model_dir, self.config, missing, self.device, self.dtype)
+                    )
         return self._towers
 
     # -- planning (no pixels needed) -----------------------------------------------------
@@ -254,7 +263,9 @@ class Gemma4Encoder(MediaEncoder):
         budget = check_budget(max_soft_tokens if max_soft_tokens is not None else s.max_soft_tokens, "image")
         if not s.do_resize:
             return width, height
-        h, w = aspect_ratio_preserving_size(height, width, s.patch_size, s.max_patches(budget), s.pooling_kernel_size)
+        h, w = aspect_ratio_preserving_size(
+            height, width, s.patch_size, s.max_patches(budget), s.pooling_kernel_size
+        )
         return w, h
 
     def image_token_count(self, width: int, height: int, max_soft_tokens: int | None = None) -> int:
@@ -268,7 +279,11 @@ class Gemma4Encoder(MediaEncoder):
         after the 30 s truncation."""
         s = self._audio()
         rate = sample_rate or s.sampling_rate
-        n = int(np.ceil(num_samples * (s.sampling_rate / rate))) if rate != s.sampling_rate else int(num_samples)
+        n = (
+            int(np.ceil(num_samples * (s.sampling_rate / rate)))
+            if rate != s.sampling_rate
+            else int(num_samples)
+        )
         return audio_token_count(valid_frame_count(min(n, s.max_length), s))
 
     def describe(self, prepared: Prepared) -> dict[str, Any]:
@@ -327,7 +342,9 @@ class Gemma4Encoder(MediaEncoder):
         if kind in ("image", "video"):
             # Runs of vision tokens: the blocks get_block_sequence_ids_for_mask builds.
             edges = np.flatnonzero(np.diff(np.concatenate(([0], is_placeholder.astype(np.int8), [0]))))
-            meta["bidirectional_blocks"] = [[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2], strict=True)]
+            meta["bidirectional_blocks"] = [
+                [int(a), int(b)] for a, b in zip(edges[::2], edges[1::2], strict=True)
+            ]
             meta["bidirectional_attention"] = self.bidirectional_vision
         n = len(ids)
         return Prepared(
@@ -358,13 +375,16 @@ class Gemma4Encoder(MediaEncoder):
         unit = s.side_multiple
         if th % unit or tw % unit:
             raise InvalidRequestError(
-                f"with resizing off the image must have sides divisible by {unit}, got {width}x{height}", kind="image"
+                f"with resizing off the image must have sides divisible by {unit}, got {width}x{height}",
+                kind="image",
             )
         if (tw, th) == (width, height):
             pixels = image.to_numpy()
         else:
             pixels = np.asarray(resize_exact(image.to_pil(), tw, th, s.resample))
-        values, positions, real = patchify(pixels[None], s.patch_size, self._image_table, s.max_patches(budget))
+        values, positions, real = patchify(
+            pixels[None], s.patch_size, self._image_table, s.max_patches(budget)
+        )
         tokens = real // s.pooling_kernel_size**2
         t = self.tokens
         return self._span(
@@ -397,7 +417,9 @@ class Gemma4Encoder(MediaEncoder):
         if num_frames is not None and (
             isinstance(num_frames, bool) or not isinstance(num_frames, (int, np.integer)) or num_frames < 1
         ):
-            raise InvalidRequestError(f"num_frames must be a positive integer, got {num_frames!r}", kind="video")
+            raise InvalidRequestError(
+                f"num_frames must be a positive integer, got {num_frames!r}", kind="video"
+            )
         if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
             raise InvalidRequestError(f"fps must be a positive number, got {fps!r}", kind="video")
         total = video.frame_count
@@ -537,9 +559,13 @@ class Gemma4Encoder(MediaEncoder):
     def _encode_vision(self, kind: MediaKind, items: list[Prepared]) -> list[Encoded]:
         towers = self.towers
         tower, embed = towers["vision_tower"], towers["embed_vision"]
-        key_px, key_pos = ("pixel_values", "image_position_ids") if kind == "image" else (
-            "pixel_values_videos",
-            "video_position_ids",
+        key_px, key_pos = (
+            ("pixel_values", "image_position_ids")
+            if kind == "image"
+            else (
+                "pixel_values_videos",
+                "video_position_ids",
+            )
         )
         k2 = self.image_settings.pooling_kernel_size**2
         # Every frame (an image is one frame) with its soft-token count.
@@ -562,7 +588,8 @@ class Gemma4Encoder(MediaEncoder):
                 pv[row, :real] = src_px[:real]
                 pos[row, :real] = src_pos[:real]
             hidden = tower(
-                pixel_values=pv.to(device=self.device, dtype=self.dtype), pixel_position_ids=pos.to(self.device)
+                pixel_values=pv.to(device=self.device, dtype=self.dtype),
+                pixel_position_ids=pos.to(self.device),
             ).last_hidden_state
             emb = embed(inputs_embeds=hidden)
             outputs.extend(torch.split(emb, [frames[j][2] for j in batch]))
@@ -600,12 +627,16 @@ class Gemma4Encoder(MediaEncoder):
                 f = items[i].inputs["input_features"][0]
                 feats[row, : f.shape[0]] = f
                 mask[row, : f.shape[0]] = items[i].inputs["input_features_mask"][0]
-            out = tower(feats.to(device=self.device, dtype=self.dtype), mask.to(self.device), return_dict=True)
+            out = tower(
+                feats.to(device=self.device, dtype=self.dtype), mask.to(self.device), return_dict=True
+            )
             emb = embed(inputs_embeds=out.last_hidden_state)
             for row, i in enumerate(batch):
                 rows = emb[row][out.attention_mask[row]]
                 if rows.shape[0] != items[i].token_count:
-                    raise RuntimeError(f"audio tower gave {rows.shape[0]} rows for {items[i].token_count} tokens")
+                    raise RuntimeError(
+                        f"audio tower gave {rows.shape[0]} rows for {items[i].token_count} tokens"
+                    )
                 result[i] = Encoded(embeddings=rows)
         return result  # type: ignore[return-value]
 
@@ -687,8 +718,14 @@ def _special_tokens(config: dict[str, Any], tokenizer: Any) -> SpecialTokens:
                 f"config.json {keys[0]}={from_config} disagrees with tokenizer.json {token}={from_tokenizer}"
             )
         value = from_config if from_config is not None else from_tokenizer
-        if value is None and field in ("boi", "eoi", "image", "video") and config.get("vision_config") is not None:
-            raise UnsupportedModelError(f"neither config.json ({keys[0]}) nor tokenizer.json ({token}) gives its id")
+        if (
+            value is None
+            and field in ("boi", "eoi", "image", "video")
+            and config.get("vision_config") is not None
+        ):
+            raise UnsupportedModelError(
+                f"neither config.json ({keys[0]}) nor tokenizer.json ({token}) gives its id"
+            )
         ids[field] = None if value is None else int(value)
     return SpecialTokens(**ids)  # type: ignore[arg-type]
 

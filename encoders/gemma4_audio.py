@@ -52,7 +52,9 @@ _POOL: ThreadPoolExecutor | None = None
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gemma4-mel")
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gemma4-mel"
+        )
     return _POOL
 
 
@@ -212,7 +214,10 @@ class LogMel:
             self._rows(x, 0, valid, out)
         else:
             edges = np.linspace(0, valid, blocks + 1).astype(int)
-            jobs = [_pool().submit(self._rows, x, int(a), int(b), out) for a, b in zip(edges[:-1], edges[1:])]
+            jobs = [
+                _pool().submit(self._rows, x, int(a), int(b), out)
+                for a, b in zip(edges[:-1], edges[1:], strict=True)
+            ]
             for job in jobs:
                 job.result()
         return out, mask

@@ -57,7 +57,11 @@ _TORCH_MODES = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
 def check_budget(value: Any, kind: str) -> int:
     """``max_soft_tokens`` validated against :data:`SUPPORTED_SOFT_TOKENS`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) not in SUPPORTED_SOFT_TOKENS:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or int(value) not in SUPPORTED_SOFT_TOKENS
+    ):
         raise InvalidRequestError(
             f"max_soft_tokens must be one of {', '.join(map(str, SUPPORTED_SOFT_TOKENS))}, got {value!r}",
             limit=list(SUPPORTED_SOFT_TOKENS),
@@ -88,7 +92,9 @@ class VisionSettings:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], *, video: bool) -> VisionSettings:
-        defaults = cls(max_soft_tokens=70 if video else 280, num_frames=32 if video else None, do_normalize=video)
+        defaults = cls(
+            max_soft_tokens=70 if video else 280, num_frames=32 if video else None, do_normalize=video
+        )
 
         def triple(key: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
             v = cfg.get(key, default)
@@ -100,10 +106,14 @@ class VisionSettings:
 
         budget = cfg.get("max_soft_tokens", defaults.max_soft_tokens)
         if budget not in SUPPORTED_SOFT_TOKENS:
-            raise UnsupportedModelError(f"processor max_soft_tokens {budget!r} is not one of {SUPPORTED_SOFT_TOKENS}")
+            raise UnsupportedModelError(
+                f"processor max_soft_tokens {budget!r} is not one of {SUPPORTED_SOFT_TOKENS}"
+            )
         resample = int(cfg.get("resample", 3))
         if video and resample not in _TORCH_MODES:
-            raise UnsupportedModelError(f"video processor resample={resample} has no torchvision equivalent here")
+            raise UnsupportedModelError(
+                f"video processor resample={resample} has no torchvision equivalent here"
+            )
         fps = cfg.get("fps")
         return cls(
             patch_size=int(cfg.get("patch_size", 16)),
@@ -205,7 +215,9 @@ _POOL: ThreadPoolExecutor | None = None
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gemma4-resize")
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gemma4-resize"
+        )
     return _POOL
 
 
@@ -234,7 +246,9 @@ def resize_exact(pil: PILImage.Image, width: int, height: int, resample: int) ->
     if width != src_w:
         bands = _bands(src_h, workers)
         parts = list(
-            _pool().map(lambda b: pil.crop((0, b[0], src_w, b[1])).resize((width, b[1] - b[0]), resample), bands)
+            _pool().map(
+                lambda b: pil.crop((0, b[0], src_w, b[1])).resize((width, b[1] - b[0]), resample), bands
+            )
         )
         inter = PILImage.new(pil.mode, (width, src_h))
         for (top, _), part in zip(bands, parts, strict=True):
@@ -243,7 +257,9 @@ def resize_exact(pil: PILImage.Image, width: int, height: int, resample: int) ->
         return inter
     bands = _bands(width, workers)
     parts = list(
-        _pool().map(lambda b: inter.crop((b[0], 0, b[1], src_h)).resize((b[1] - b[0], height), resample), bands)
+        _pool().map(
+            lambda b: inter.crop((b[0], 0, b[1], src_h)).resize((b[1] - b[0], height), resample), bands
+        )
     )
     out = PILImage.new(pil.mode, (width, height))
     for (left, _), part in zip(bands, parts, strict=True):
@@ -256,7 +272,9 @@ def _bands(length: int, n: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
 
 
-def resize_frames_like_torchvision(frames: torch.Tensor, height: int, width: int, resample: int) -> torch.Tensor:
+def resize_frames_like_torchvision(
+    frames: torch.Tensor, height: int, width: int, resample: int
+) -> torch.Tensor:
     """``torchvision.transforms.v2.functional.resize(frames, [height, width], resample,
     antialias=True)`` on a uint8 (N, 3, H, W) CPU tensor: bicubic runs torch's native uint8
     kernel; bilinear does on AVX2 CPUs and otherwise goes float32 -> interpolate -> round;
@@ -268,7 +286,9 @@ def resize_frames_like_torchvision(frames: torch.Tensor, height: int, width: int
         return torch.nn.functional.interpolate(frames, size=[height, width], mode="nearest")
     native = mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability()
     x = frames if native else frames.to(torch.float32)
-    x = torch.nn.functional.interpolate(x, size=[height, width], mode=mode, align_corners=False, antialias=True)
+    x = torch.nn.functional.interpolate(
+        x, size=[height, width], mode=mode, align_corners=False, antialias=True
+    )
     if not native:
         x = x.round_().to(torch.uint8)
     return x
@@ -316,7 +336,9 @@ def patchify(
 # --------------------------------------------------------------------------- video timing
 
 
-def sample_frame_indices(total: int, num_frames: int | None, fps: float | None, video_fps: float) -> list[int]:
+def sample_frame_indices(
+    total: int, num_frames: int | None, fps: float | None, video_fps: float
+) -> list[int]:
     """The reference's ``default_sample_indices_fn``: ``num_frames`` frames at
     ``arange(num_frames) * total // num_frames`` (or, given ``fps``, ``max(1,
     int(total / video_fps * fps))`` of them; with neither, every frame).
@@ -326,7 +348,9 @@ def sample_frame_indices(total: int, num_frames: int | None, fps: float | None, 
     """
     if num_frames is None and fps is not None:
         if not video_fps or video_fps <= 0:
-            raise InvalidRequestError("the video's frame rate is unknown; sample by num_frames instead", kind="video")
+            raise InvalidRequestError(
+                "the video's frame rate is unknown; sample by num_frames instead", kind="video"
+            )
         num_frames = max(1, int(total / video_fps * fps))
     if num_frames is None:
         return list(range(total))

@@ -40,7 +40,6 @@ import json
 import math
 import mmap
 import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,9 +363,13 @@ class _ImagePixels:
     The output of each uint8 level is a fixed float32 number; ``self.lut`` holds the
     reference's value for all 256 levels (computed with the reference's own numpy
     operations). Pixels are converted band by band (whole merge rows, about 2 MB of
-    float32 at a time, so a band stays in cache) with torch float32 arithmetic that was
+    float32 at a time, so a band stays in cache) with float32 arithmetic that was
     checked against the table for every level and channel when this object was built;
     if the check fails (an unusual mean/std/rescale_factor), the table itself is used.
+
+    The band loop uses numpy, single-threaded on purpose: hundreds of small intra-op
+    parallel regions (torch/OpenMP) stall badly when the cores are shared with other
+    work, and the work is bound by memory traffic anyway.
     """
 
     def __init__(self, s: ImageSettings):
@@ -383,19 +386,20 @@ class _ImagePixels:
                     s.image_std[c], dtype=np.float32
                 )
             lut[c] = np.asarray(x, dtype=np.float32)
-        self.lut = torch.from_numpy(lut)
-        self._divisor = (1.0 / s.rescale_factor) if s.do_rescale else None
-        self._mean = torch.tensor(s.image_mean, dtype=torch.float32).view(3, 1, 1)
-        self._std = torch.tensor(s.image_std, dtype=torch.float32).view(3, 1, 1)
-        probe = torch.arange(256, dtype=torch.float32).view(1, 1, 256).expand(3, 1, 256).clone()
-        self.arithmetic_exact = torch.equal(self._arith(probe).view(3, 256), self.lut)
+        self.lut = lut
+        self._divisor = np.float32(1.0 / s.rescale_factor) if s.do_rescale else None
+        self._mean = np.array(s.image_mean, dtype=np.float32)
+        self._std = np.array(s.image_std, dtype=np.float32)
+        probe = np.repeat(np.arange(256, dtype=np.float32)[:, None], 3, axis=1)  # (level, channel)
+        self.arithmetic_exact = bool(np.array_equal(self._arith(probe).T, lut))
 
-    def _arith(self, x: torch.Tensor) -> torch.Tensor:
-        """In place on float32 ``x`` with channels on dim -3."""
+    def _arith(self, x: np.ndarray) -> np.ndarray:
+        """In place on float32 ``x`` with channels last."""
         if self._divisor is not None:
-            x.div_(self._divisor)
+            np.divide(x, self._divisor, out=x)
         if self.s.do_normalize:
-            x.sub_(self._mean).div_(self._std)
+            np.subtract(x, self._mean, out=x)
+            np.divide(x, self._std, out=x)
         return x
 
     def __call__(self, source: np.ndarray | PILImage.Image) -> torch.Tensor:
@@ -408,32 +412,30 @@ class _ImagePixels:
         else:
             w, h = source.size
         bh, bw = h // (p * m), w // (p * m)
-        out = _alloc_float32((bh, bw, m, m, 3, t, p, p))
+        out_t = _alloc_float32((bh, bw, m, m, 3, t, p, p))
+        out = out_t.numpy()
         rows = max(1, (2 << 20) // (m * p * w * 3 * 4))
-        with warnings.catch_warnings():  # read-only sources: they are only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            whole = torch.from_numpy(source) if isinstance(source, np.ndarray) else None
-            for r0 in range(0, bh, rows):
-                r1 = min(bh, r0 + rows)
-                y0, y1 = r0 * m * p, r1 * m * p
-                if whole is not None:
-                    band = whole[y0:y1]
-                else:  # a band at a time: no full-size uint8 copy of the resized image
-                    data = source.crop((0, y0, w, y1)).tobytes()  # type: ignore[union-attr]
-                    band = torch.frombuffer(data, dtype=torch.uint8)
-                band = band.view(r1 - r0, m, p, bw, m, p, 3).permute(
-                    0, 3, 1, 4, 6, 2, 5
-                )  # (r, bw, m, m, C, p, p)
-                if self.arithmetic_exact:
-                    x = torch.empty(band.shape, dtype=torch.float32)
-                    x.copy_(band)
-                    self._arith(x.view(-1, 3, p, p))
-                else:
-                    x = self.lut.view(-1)[band.to(torch.long) + torch.arange(3).view(3, 1, 1) * 256]
-                dst = out[r0:r1]
-                for k in range(t):  # the one frame fills every temporal slot
-                    dst[:, :, :, :, :, k] = x
-        return out.view(bh * bw * m * m, 3 * t * p * p)
+        lut = self.lut.reshape(-1)
+        offsets = np.arange(3) * 256
+        for r0 in range(0, bh, rows):
+            r1 = min(bh, r0 + rows)
+            y0, y1 = r0 * m * p, r1 * m * p
+            if isinstance(source, np.ndarray):
+                band = source[y0:y1]
+            else:  # a band at a time: no full-size uint8 copy of the resized image
+                band = np.frombuffer(source.crop((0, y0, w, y1)).tobytes(), dtype=np.uint8).reshape(
+                    y1 - y0, w, 3
+                )
+            if self.arithmetic_exact:
+                x = self._arith(band.astype(np.float32))
+            else:
+                x = lut[band + offsets]
+            # (rows, m, p, bw, m, p, C) -> (rows, bw, m, m, C, p, p): the reference's merge order
+            x = np.ascontiguousarray(x.reshape(r1 - r0, m, p, bw, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5))
+            dst = out[r0:r1]
+            for k in range(t):  # the one frame fills every temporal slot
+                dst[:, :, :, :, :, k] = x
+        return out_t.view(bh * bw * m * m, 3 * t * p * p)
 
 
 _HUGE_PAGE_MIN_BYTES = 8 << 20

@@ -280,21 +280,23 @@ class Context:
         emitted = ""
         with self._guard():
             await self._ensure_logits()
-            while True:
-                assert self._last_logits is not None
-                token = int(sampling.sample(self._last_logits[None], sampler, self._rng())[0])
-                generated.append(token)
-                self._append_text([token])
-                text = self.model.detokenize(generated, skip_special_tokens=True)
-                reason = tracker.check(generated, text)
-                visible = reason.text if reason is not None else text
-                delta = ""
-                if reason is not None or not visible.endswith("\ufffd"):
-                    delta = visible[len(emitted) :] if visible.startswith(emitted) else visible
-                    emitted = visible
-                yield TokenEvent(token=token, text=delta, done=reason)
-                if reason is not None:
-                    return
+        while True:
+            self._check_open()
+            assert self._last_logits is not None
+            token = int(sampling.sample(self._last_logits[None], sampler, self._rng())[0])
+            generated.append(token)
+            self._append_text([token])
+            text = self.model.detokenize(generated, skip_special_tokens=True)
+            reason = tracker.check(generated, text)
+            visible = reason.text if reason is not None else text
+            delta = ""
+            if reason is not None or not visible.endswith("\ufffd"):
+                delta = visible[len(emitted) :] if visible.startswith(emitted) else visible
+                emitted = visible
+            yield TokenEvent(token=token, text=delta, done=reason)
+            if reason is not None:
+                return
+            with self._guard():
                 await self._prefill("last")
 
     # -- branching and persistence ---------------------------------------------------------
@@ -564,7 +566,6 @@ class Context:
         sampling, "all" also returns every row's logits (and computes every row)."""
         total = len(self._rows)
         collected: list[torch.Tensor] = []
-        ps = self._pool.page_size
         while self._n < total:
             if want != "all":
                 self._reuse_published_pages(limit=total - 1)
@@ -578,7 +579,6 @@ class Context:
                 collected.append(result)
             if end == total:
                 self._last_logits = result[-1] if want == "all" else result
-        del ps
         if want == "all":
             return torch.cat(collected) if collected else torch.empty(0, self.model.arch.vocab_size)
         return None
@@ -588,7 +588,6 @@ class Context:
         end = min(total, start + limit)
         if end == total:
             return end
-        rows = self._rows
         # Never cut a media span, nor a run of vision rows (one bidirectional block).
         cut = end
         while cut > start and not self._can_cut(cut):
@@ -598,7 +597,6 @@ class Context:
         cut = end
         while cut < total and not self._can_cut(cut):
             cut += 1
-        del rows
         return cut
 
     def _can_cut(self, at: int) -> bool:
@@ -631,31 +629,25 @@ class Context:
             self._n += ps
 
     def _reserve(self, start: int, end: int) -> None:
-        """Make the page table cover rows [start, end) with pages this context may write
-        (copy-on-write of a shared or published partly filled page). All or nothing."""
-        pool, table, ps = self._pool, self._table, self._pool.page_size
-        need = max(0, self._pages_for(end) - len(table.pages))
-        tail_idx = start // ps if start % ps else None
-        cow = False
-        if tail_idx is not None and tail_idx < len(table.pages):
-            tail = table.pages[tail_idx]
-            if pool.refcount(tail) > 1:
-                cow = True
-            elif pool.key_of(tail) is not None:
-                pool.unregister(tail)
-        # Pages past the committed rows (left by an earlier failed pass) are ours to reuse.
-        for i in range(self._pages_for(start), len(table.pages)):
-            p = table.pages[i]
-            if pool.refcount(p) > 1 or pool.key_of(p) is not None:
-                raise RuntimeError(f"page {p} past the committed rows is shared")
-        fresh = pool.allocate(need + int(cow))
-        if cow:
-            assert tail_idx is not None
+        """Make the page table cover rows [start, end) with pages this context may write:
+        a page shared with another holder is copied first (its rows before ``start``), a
+        published page held only here is withdrawn from the prefix cache. All or nothing:
+        on ``OutOfPagesError`` nothing changed."""
+        pool, pages, ps = self._pool, self._table.pages, self._pool.page_size
+        first, last = start // ps, self._pages_for(end)
+        shared = [i for i in range(first, min(last, len(pages))) if pool.refcount(pages[i]) > 1]
+        fresh = pool.allocate(max(0, last - len(pages)) + len(shared))
+        for i in shared:
             dst = fresh.pop()
-            pool.copy_page(table.pages[tail_idx], dst, rows=start % ps)
-            pool.decref([table.pages[tail_idx]])
-            table.pages[tail_idx] = dst
-        table.pages.extend(fresh)
+            keep = start - i * ps
+            if keep > 0:
+                pool.copy_page(pages[i], dst, rows=keep)
+            pool.decref([pages[i]])
+            pages[i] = dst
+        for i in range(first, min(last, len(pages))):
+            if pool.key_of(pages[i]) is not None:
+                pool.unregister(pages[i])
+        pages.extend(fresh)
 
     def _build_step(self, start: int, end: int, want: LogitsWanted) -> StepInput:
         self._reserve(start, end)

@@ -282,6 +282,8 @@ def _draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw per row; never returns a zero-probability token."""
     cdf = p.double().cumsum(dim=-1)
     total = cdf[:, -1:]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("cannot sample: a row has no finite logits (all -inf or NaN)")
     x = torch.minimum(u.to(cdf.device).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True).squeeze(1)
 
@@ -306,7 +308,8 @@ def sample(
     plain = [i for i, s in enumerate(rows) if not s.is_greedy and not s.is_custom]
     if plain:
         idx = torch.tensor(plain, device=scores.device)
-        kept, ids = _filter(scores[idx], [rows[i] for i in plain])
+        sub = scores if len(plain) == n else scores[idx]
+        kept, ids = _filter(sub, [rows[i] for i in plain])
         drawn = _draw(kept.softmax(dim=-1), _uniforms(n, generators, plain))
         out[idx] = drawn if ids is None else ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
     for i, s in enumerate(rows):

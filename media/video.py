@@ -69,11 +69,13 @@ SEEK_OVERHEAD_FRAMES = 8
 """Cost of one seek, in frame decodes, beyond the frames it decodes.
 
 A seek flushes the demuxer and decoder; the decoder then re-fills its reorder buffer
-(B-frames) before the wanted frame comes out, and those frames are wasted if the next
-wanted frame needs another seek. Measured with ``bench/media_decode.py``-style runs on
-the 2-core development machine (720p H.264, keyframe every 0.5 s): 5-15 ms per seek,
-i.e. 4-10 average frame decodes. The model needs only the order of magnitude: it
-decides between skipping hundreds of frames or a handful.
+(B-frames) before the wanted frame comes out, and the frames decoded past the wanted
+one (sometimes the next GOP's keyframe) are wasted when the next wanted frame needs
+another seek. Calibrated on the 2-core development machine with the 720p H.264 bench
+clip (keyframe every 15 frames, B-frames): seeking to each of its 120 keyframes and
+decoding k = 0, 4, 8, 13 frames after it, against decoding all 1800 frames, fits a
+seek overhead of ~25 ms CPU = 8 frame decodes. The model needs only the order of
+magnitude: it decides between skipping hundreds of frames or a handful.
 """
 
 THREAD_TYPE: str | None = "AUTO" if (os.cpu_count() or 1) >= 4 else None
@@ -456,6 +458,8 @@ class _AVSource:
             )
         stream = self._video_stream(container)
         cc = stream.codec_context
+        if cc is None:
+            raise UnsupportedFormatError("the video stream's codec has no decoder here", kind=KIND)
         width, height = int(cc.width or 0), int(cc.height or 0)
         if width <= 0 or height <= 0:
             raise CorruptMediaError(f"video stream ({cc.name}) declares no frame size", kind=KIND)
@@ -495,6 +499,7 @@ class _AVSource:
                 frame_count, source = tl.packets, "demux"
             elif longest > 0 and fps > 0:
                 frame_count, source = max(tl.packets, round(longest * fps)), "estimate"
+                self._check_frames(frame_count, "would hold about")
             else:
                 frame_count, source = tl.packets, "demux"
         if frame_count <= 0:

@@ -183,6 +183,20 @@ def test_mixed_batch_matches_rows_alone() -> None:
     assert together.tolist() == alone
 
 
+def test_draws_do_not_depend_on_batch_company() -> None:
+    # Alone, top-k rows take the compact path; next to a row without top-k, the full one.
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(6)).expand(300, -1)
+    s = Sampler.top_k_top_p(1.0, 40, 0.9)
+    alone = sample(logits, s, [generator(i) for i in range(300)])
+    mixed = sample(
+        torch.cat([logits, logits[:1]]),
+        [s] * 300 + [Sampler.multinomial()],
+        [generator(i) for i in range(300)] + [None],
+    )
+    assert torch.equal(alone, mixed[:300])
+    assert len(set(alone.tolist())) > 10
+
+
 def test_top_p_boundary_token_is_included() -> None:
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()[[2, 0, 3, 1]]  # ids: 1 -> .5, 3 -> .3, 0 -> .15
     kept = {0.45: {1}, 0.7: {1, 3}, 0.85: {0, 1, 3}, 0.97: {0, 1, 2, 3}, 1.0: {0, 1, 2, 3}}
@@ -299,5 +313,7 @@ def test_shape_errors() -> None:
         sample(torch.zeros(2, 3, 4), Sampler.greedy())
     with pytest.raises(ValueError, match="samplers"):
         sample(torch.zeros(2, 3), [Sampler.greedy()])
+    with pytest.raises(ValueError, match="no finite logits"):
+        sample(torch.full((1, 3), float("-inf")), Sampler.multinomial())
     with pytest.raises(ValueError, match="generators"):
         sample(torch.zeros(2, 3), Sampler.multinomial(), [generator(0)])

@@ -1,0 +1,58 @@
+"""engine: model loading, paged KV, contexts, scheduler, attention backends, samplers.
+
+Knows nothing about HTTP or WASM. Import what you need from here::
+
+    from engine import Model, Context, Sampler, max_tokens, eos
+"""
+
+from engine.caption import caption, caption_async
+from engine.context import Context, Distribution, Generation, TokenEvent
+from engine.errors import (
+    CheckpointShapeError,
+    ContextClosedError,
+    EngineError,
+    InvalidRequestError,
+    MissingCheckpointFileError,
+    ModelLoadError,
+    OutOfPagesError,
+    SavedContextExistsError,
+    SavedContextNotFoundError,
+    UnsupportedArchitectureError,
+)
+from engine.kv_pool import KVPool, PoolStats
+from engine.model import Model
+from engine.sampling import Sampler, generator
+from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens, stop_strings
+from engine.sync import SyncContext, run_sync
+
+__all__ = [
+    "CheckpointShapeError",
+    "Context",
+    "ContextClosedError",
+    "Distribution",
+    "EngineError",
+    "Generation",
+    "InvalidRequestError",
+    "KVPool",
+    "MissingCheckpointFileError",
+    "Model",
+    "ModelLoadError",
+    "OutOfPagesError",
+    "PoolStats",
+    "Sampler",
+    "SavedContextExistsError",
+    "SavedContextNotFoundError",
+    "StopCondition",
+    "StopReason",
+    "SyncContext",
+    "TokenEvent",
+    "UnsupportedArchitectureError",
+    "caption",
+    "caption_async",
+    "eos",
+    "eos_from",
+    "generator",
+    "max_tokens",
+    "run_sync",
+    "stop_strings",
+]

@@ -1,0 +1,81 @@
+"""Shared fixtures: the tiny checkpoints loaded once per test session, both as engine
+models and as the transformers reference models they must match."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The tiny models gain nothing from intra-op threads, and on a loaded 2-core machine
+# OpenMP's spinning workers turn microsecond ops into ~15 ms ones (measured here: SDPA on a
+# (1, 4, 1, 16) query, 0.01 ms with 1 thread vs 16 ms with 2 under load).
+torch.set_num_threads(1)
+
+TINY_QWEN = "tiny-qwen3-vl"
+TINY_GEMMA = "tiny-gemma4"
+
+# Parity tolerance for float32 logits on CPU. Our pass and the reference run the same
+# transformers modules with the same weights; what differs is where K/V come from (our
+# pages vs the reference's tensors), how SDPA is entered (explicit mask vs is_causal),
+# and for prefill chunks / batched decode the matmul shapes. Those reorder float32 sums,
+# which moves logits by ~1e-6 at these magnitudes (|logits| < 30); 1e-4 leaves room for
+# that and is still far below anything a wrong mask, position or embedding would cause
+# (those move logits by 1e-2 or more).
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    from engine import Model
+
+    return Model.load(TINY_QWEN, kv_pages=512)
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    from engine import Model
+
+    return Model.load(TINY_GEMMA, kv_pages=512)
+
+
+@pytest.fixture(scope="session")
+def qwen_ref(qwen):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(qwen.path).eval()
+
+
+@pytest.fixture(scope="session")
+def gemma_ref(gemma):
+    from transformers import Gemma4ForConditionalGeneration
+
+    return Gemma4ForConditionalGeneration.from_pretrained(gemma.path).eval()
+
+
+@pytest.fixture(scope="session")
+def models(qwen, gemma):
+    return {TINY_QWEN: qwen, TINY_GEMMA: gemma}
+
+
+@pytest.fixture(scope="session")
+def refs(qwen_ref, gemma_ref):
+    return {TINY_QWEN: qwen_ref, TINY_GEMMA: gemma_ref}
+
+
+def reference_greedy(ref, n: int, **inputs) -> list[int]:
+    """``generate(do_sample=False)`` for exactly ``n`` new tokens (EOS disabled)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = ref.generate(**inputs, generation_config=config)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def reference_logits(ref, **inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(**inputs).logits[0].float()

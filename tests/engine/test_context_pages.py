@@ -1,0 +1,258 @@
+"""Forks, saved contexts, prefix sharing, running out of pages, truncation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine import (
+    Context,
+    ContextClosedError,
+    InvalidRequestError,
+    Model,
+    OutOfPagesError,
+    Sampler,
+    SavedContextExistsError,
+    SavedContextNotFoundError,
+    SyncContext,
+    max_tokens,
+)
+from tests.engine.conftest import ATOL, TINY_GEMMA
+
+LONG = (
+    "The harbour master kept a ledger of every boat that came in, with the name, the cargo, the weather "
+    "and the mood of the crew, and after forty years the ledger filled a whole shelf of the lighthouse."
+)
+
+
+def _in_use(model) -> int:
+    return model.pool.stats().in_use
+
+
+def _greedy(ctx, n=12):
+    return ctx.generate(Sampler.greedy(), max_tokens(n)).tokens
+
+
+def test_fork_continues_like_an_independent_context(gemma):
+    base = SyncContext(gemma).system("You are terse.").user(LONG)
+    base.flush()
+    child = base.fork()
+    child.user("And then?").cue()
+    alone = SyncContext(gemma).system("You are terse.").user(LONG).user("And then?").cue()
+    assert child.token_ids == alone.token_ids
+    assert _greedy(child) == _greedy(alone)
+    # the parent is untouched by what the child did
+    base.user("Something else.").cue()
+    other = SyncContext(gemma).system("You are terse.").user(LONG).user("Something else.").cue()
+    assert _greedy(base) == _greedy(other)
+    for c in (base, child, alone, other):
+        c.close()
+
+
+def test_fork_logits_match_uninterrupted_context(qwen):
+    prefix = SyncContext(qwen).user(LONG)
+    prefix.flush()
+    child = prefix.fork().fill(" continue")
+    ours = child.flush(return_logits=True)
+    full = SyncContext(qwen).user(LONG).fill(" continue")
+    ref = full.flush(return_logits=True)[-ours.shape[0] :]
+    assert (ours - ref).abs().max().item() < ATOL
+    for c in (prefix, child, full):
+        c.close()
+
+
+def test_forks_share_the_prefix_pages(gemma):
+    before = _in_use(gemma)
+    base = SyncContext(gemma).user(LONG)
+    base.flush()
+    ps = gemma.pool.page_size
+    prefix_pages = -(-base.committed // ps)
+    assert _in_use(gemma) - before == prefix_pages
+    forks = [base.fork() for _ in range(5)]
+    assert _in_use(gemma) - before == prefix_pages  # nothing copied yet
+    assert all(f.pages == base.pages for f in forks)
+    for i, f in enumerate(forks):
+        f.user(f"Question {i}?").cue()
+        f.flush()
+    # each fork owns only the pages past the shared full ones (its copy of the tail onwards)
+    full = base.committed // ps
+    own = [set(f.pages[full:]) for f in forks]
+    assert all(not (a & b) for i, a in enumerate(own) for b in own[i + 1 :])
+    assert all(f.pages[:full] == base.pages[:full] for f in forks)
+    assert _in_use(gemma) - before == prefix_pages + sum(len(o) for o in own)
+    for f in forks:
+        f.close()
+    base.close()
+    assert _in_use(gemma) == before
+
+
+def test_identical_prefixes_share_published_pages(gemma):
+    """Two contexts that fill the same text share its full pages (the prefix cache), and
+    only the page holding the last row is computed again."""
+    a = SyncContext(gemma).user(LONG + LONG).cue()
+    a.flush()
+    ps = gemma.pool.page_size
+    full = a.committed // ps
+    assert full >= 2
+    rows_before = gemma.runner.rows_computed
+    b = SyncContext(gemma).user(LONG + LONG).cue()
+    b.flush()
+    assert b.pages[: full - 1] == a.pages[: full - 1] or b.pages[:full] == a.pages[:full]
+    assert gemma.runner.rows_computed - rows_before <= ps + a.committed % ps
+    assert _greedy(a) == _greedy(b)
+    # closed contexts leave their published pages findable
+    a.close()
+    b.close()
+    c = SyncContext(gemma).user(LONG + LONG).cue()
+    rows_before = gemma.runner.rows_computed
+    c.flush()
+    assert gemma.runner.rows_computed - rows_before <= ps + c.committed % ps
+    c.close()
+
+
+def test_save_and_open_equal_an_uninterrupted_context(gemma):
+    ctx = SyncContext(gemma).system("You are terse.").user(LONG)
+    ctx.flush()
+    ctx.save("story")
+    assert "story" in gemma.saved_names()
+    with pytest.raises(SavedContextExistsError):
+        ctx.save("story")
+    ctx.close()
+    opened = SyncContext.open(gemma, "story")
+    opened.user("Go on.").cue()
+    plain = SyncContext(gemma).system("You are terse.").user(LONG).user("Go on.").cue()
+    assert opened.token_ids == plain.token_ids
+    assert _greedy(opened) == _greedy(plain)
+    opened.close()
+    plain.close()
+    again = SyncContext.open(gemma, "story")  # saved state is unaffected by what forks did
+    assert again.committed == len(again.token_ids)
+    again.close()
+    gemma.delete_saved("story")
+    with pytest.raises(SavedContextNotFoundError):
+        gemma.delete_saved("story")
+    with pytest.raises(SavedContextNotFoundError):
+        Context.open(gemma, "story")
+
+
+def test_rewind_and_regenerate(qwen):
+    ctx = SyncContext(qwen).user(LONG).cue()
+    first = _greedy(ctx, 8)
+    ctx.rewind(8)
+    assert _greedy(ctx, 8) == first
+    ctx.close()
+
+
+@pytest.mark.parametrize("cut", [40, 64, 70])
+def test_truncate_into_published_page_then_continue(gemma, cut):
+    ids = SyncContext(gemma).user(LONG + LONG).cue().token_ids
+    ctx = SyncContext(gemma).fill_tokens(ids)
+    ctx.flush()
+    other = ctx.fork()  # shares the pages that truncation will rewrite
+    ctx.truncate(cut)
+    ctx.fill(" and a brand new ending")
+    ours = ctx.flush(return_logits=True)
+    fresh = SyncContext(gemma).fill_tokens(ids[:cut]).fill(" and a brand new ending")
+    ref = fresh.flush(return_logits=True)[-ours.shape[0] :]
+    assert (ours - ref).abs().max().item() < ATOL
+    # the fork still reads its own history
+    check = SyncContext(gemma).fill_tokens(ids)
+    assert _greedy(other, 6) == _greedy(check, 6)
+    for c in (ctx, other, fresh, check):
+        c.close()
+
+
+def test_truncate_then_sample_recomputes_the_last_logits(gemma):
+    ctx = SyncContext(gemma).user(LONG).cue()
+    ctx.flush()
+    n = len(ctx)
+    ctx.fill(" extra words here")
+    ctx.flush()
+    ctx.truncate(n)
+    fresh = SyncContext(gemma).user(LONG).cue()
+    assert _greedy(ctx, 6) == _greedy(fresh, 6)
+    for c in (ctx, fresh):
+        c.close()
+
+
+def test_out_of_pages_is_typed_and_recoverable():
+    small = Model.load(TINY_GEMMA, kv_pages=6, page_size=16)
+    a = SyncContext(small).user(LONG)  # ~60 rows: 4 pages
+    a.flush()
+    b = SyncContext(small).user(LONG + LONG)  # needs ~8 pages
+    with pytest.raises(OutOfPagesError) as e:
+        b.flush()
+    assert e.value.needed > e.value.available
+    pending = b.pending
+    assert pending > 0 and len(b) == b.committed + pending  # nothing half-done
+    a.close()
+    b.flush()  # fits now
+    assert b.pending == 0
+    out = _greedy(b, 3)
+    ref = SyncContext(small).user(LONG + LONG)
+    assert _greedy(ref, 3) == out
+    b.close()
+    ref.close()
+    s = small.pool.stats()
+    assert s.in_use == 0 and s.free + s.cached == s.num_pages
+
+
+def test_out_of_pages_during_decode_keeps_the_context():
+    small = Model.load(TINY_GEMMA, kv_pages=2, page_size=16)
+    ctx = SyncContext(small).fill_tokens([2] + [100] * 30)
+    with pytest.raises(OutOfPagesError):
+        ctx.generate(Sampler.greedy(), max_tokens(10))
+    assert len(ctx) <= 33 and ctx.committed <= 32
+    ctx.truncate(10)
+    assert len(_greedy(ctx, 3)) == 3
+    ctx.close()
+
+
+def test_closed_contexts_refuse_work_and_free_pages(gemma):
+    before = _in_use(gemma)
+    ctx = SyncContext(gemma).user(LONG)
+    ctx.flush()
+    ctx.close()
+    ctx.close()
+    assert _in_use(gemma) == before
+    with pytest.raises(ContextClosedError):
+        ctx.fill("x")
+    with pytest.raises(ContextClosedError):
+        ctx.flush()
+
+
+def test_garbage_collected_contexts_release_pages(gemma):
+    import gc
+
+    before = _in_use(gemma)
+    ctx = Context(gemma).user(LONG)
+    asyncio.run(ctx.flush())
+    assert _in_use(gemma) > before
+    del ctx
+    gc.collect()
+    assert _in_use(gemma) == before
+
+
+def test_busy_context_refuses_a_second_pass(gemma):
+    async def go():
+        ctx = Context(gemma).user(LONG)
+        first = asyncio.ensure_future(ctx.flush())
+        await asyncio.sleep(0)
+        with pytest.raises(InvalidRequestError):
+            await ctx.flush()
+        await first
+        ctx.close()
+
+    asyncio.run(go())
+
+
+def test_fill_tokens_validates_ids(gemma):
+    ctx = SyncContext(gemma)
+    with pytest.raises(InvalidRequestError):
+        ctx.fill_tokens([gemma.arch.vocab_size])
+    with pytest.raises(InvalidRequestError):
+        ctx.generate()  # empty context
+    ctx.close()
+    assert torch.is_tensor(torch.tensor(0))

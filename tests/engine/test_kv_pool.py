@@ -1,0 +1,86 @@
+"""The page pool and page keys on their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import OutOfPagesError
+from engine.kv_pool import KVPool, LayerLayout
+from engine.page_hashing import MediaRow, page_key
+
+
+def _pool(n=4, ps=4):
+    return KVPool([LayerLayout(2, 8), LayerLayout(2, 16), LayerLayout(0, 16, shares_with=1)], num_pages=n, page_size=ps)
+
+
+def test_layers_have_their_own_shapes_and_shared_layers_own_nothing():
+    pool = _pool()
+    assert pool.k[0].shape == (4, 4, 2, 8) and pool.k[1].shape == (4, 4, 2, 16)
+    assert pool.k[2] is None and pool.kv(2)[0] is pool.k[1]
+    assert pool.bytes_per_page == 2 * 4 * 2 * (8 + 16) * 4
+    with pytest.raises(ValueError):
+        KVPool([LayerLayout(0, 8, shares_with=0)], num_pages=1)
+
+
+def test_allocate_is_all_or_nothing():
+    pool = _pool()
+    a = pool.allocate(3)
+    with pytest.raises(OutOfPagesError) as e:
+        pool.allocate(2)
+    assert e.value.needed == 2 and e.value.available == 1
+    assert pool.stats().free == 1 and pool.stats().in_use == 3
+    pool.decref(a)
+    assert pool.stats().free == 4
+
+
+def test_refcounts_and_published_pages_stay_findable_until_evicted():
+    pool = _pool()
+    (p,) = pool.allocate(1)
+    key = page_key(None, [1, 2, 3, 4], [None] * 4, [(0,), (1,), (2,), (3,)])
+    assert pool.register(p, key) == p
+    pool.incref([p])
+    pool.decref([p])
+    pool.decref([p])  # refcount 0: cached, not free
+    s = pool.stats()
+    assert (s.in_use, s.cached, s.free) == (0, 1, 3)
+    assert pool.lookup(key) == p and pool.refcount(p) == 1
+    pool.decref([p])
+    pool.allocate(4)  # needs the cached page too: evicts it
+    assert pool.lookup(key) is None
+    with pytest.raises(RuntimeError):
+        pool.decref([p, p])
+
+
+def test_register_converges_on_one_page():
+    pool = _pool()
+    a, b = pool.allocate(2)
+    key = page_key(None, [5], [None], [(0,)])
+    assert pool.register(a, key) == a
+    assert pool.register(b, key) == a  # b computed the same content: it is dropped for a
+    assert pool.refcount(a) == 2 and pool.refcount(b) == 0
+
+
+def test_copy_page_copies_every_owning_layer():
+    pool = _pool()
+    a, b = pool.allocate(2)
+    pool.k[0][a] = 1.0
+    pool.v[1][a] = 2.0
+    pool.copy_page(a, b, rows=2)
+    assert torch.all(pool.k[0][b, :2] == 1) and torch.all(pool.k[0][b, 2:] == 0)
+    assert torch.all(pool.v[1][b, :2] == 2)
+
+
+def test_page_keys_cover_tokens_media_positions_and_parent():
+    rows = dict(tokens=[1, 2], media=[None, None], positions=[(0,), (1,)])
+    base = page_key(None, **rows)
+    assert base == page_key(None, **rows)
+    assert base != page_key(b"x" * 16, **rows)
+    assert base != page_key(None, tokens=[1, 3], media=[None, None], positions=[(0,), (1,)])
+    assert base != page_key(None, tokens=[1, 2], media=[None, None], positions=[(0,), (2,)])
+    img_a = page_key(None, tokens=[1, 2], media=[None, MediaRow("imgA", 0)], positions=[(0,), (1,)])
+    img_b = page_key(None, tokens=[1, 2], media=[None, MediaRow("imgB", 0)], positions=[(0,), (1,)])
+    shifted = page_key(None, tokens=[1, 2], media=[None, MediaRow("imgA", 1)], positions=[(0,), (1,)])
+    assert len({base, img_a, img_b, shifted}) == 4
+    m3 = page_key(None, tokens=[1], media=[None], positions=[(0, 0, 0)])
+    assert m3 != page_key(None, tokens=[1], media=[None], positions=[(0, 0, 1)])
