@@ -34,6 +34,21 @@ from media import Image, Video  # noqa: E402
 from media import video as video_mod  # noqa: E402
 
 
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float, object]]:
+    """Like :func:`median_time` for several functions, run round-robin so that a change in
+    machine load during the run hits every variant alike."""
+    walls: dict[str, list[float]] = {k: [] for k in fns}
+    cpus: dict[str, list[float]] = {k: [] for k in fns}
+    outs: dict[str, object] = {}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs[k] = fn()
+            walls[k].append(time.perf_counter() - t0)
+            cpus[k].append(time.process_time() - c0)
+    return {k: (statistics.median(walls[k]), statistics.median(cpus[k]), outs[k]) for k in fns}
+
+
 def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, float, object]:
     """Median wall-clock and median process CPU time of ``repeats`` calls, and the last result.
 
@@ -76,12 +91,14 @@ def bench_video(bench: Path, repeats: int) -> None:
         idx = v.uniform_indices(16)
         plan = v.decode_plan(idx)
         est = {"sequential": plan.sequential_frames, "seek": plan.seek_frames, "auto": plan.auto_frames}
-        results = {}
-        for strategy in ("sequential", "seek", "auto"):
-            results[strategy] = median_time(
-                lambda v=v, strategy=strategy: v.sample(max_frames=16, strategy=strategy), repeats
-            )
-            s = results[strategy][2]
+        results = interleaved(
+            {
+                strategy: (lambda v=v, strategy=strategy: v.sample(max_frames=16, strategy=strategy))
+                for strategy in ("sequential", "seek", "auto")
+            },
+            repeats,
+        )
+        for _, _, s in results.values():
             assert [read_marker(f) for f in s.frames] == [i % 256 for i in s.indices]
         base = results["sequential"][1]
         first = results["sequential"][2].frames
@@ -104,10 +121,16 @@ def bench_sweep(bench: Path, repeats: int) -> None:
     print(f"    {'clip':<24}{'frames':>7}{'seek':>7}{'auto':>7}  auto picks (seeks)")
     for name in BENCH_CLIPS:
         v = Video.from_bytes((bench / name).read_bytes())
-        _, seq, _ = median_time(lambda v=v: v.sample(max_frames=4, strategy="sequential"), repeats)
         for n in (4, 64, 256):
-            _, seek, _ = median_time(lambda v=v, n=n: v.sample(max_frames=n, strategy="seek"), repeats)
-            _, auto, s = median_time(lambda v=v, n=n: v.sample(max_frames=n, strategy="auto"), repeats)
+            r = interleaved(
+                {
+                    strategy: (lambda v=v, n=n, strategy=strategy: v.sample(max_frames=n, strategy=strategy))
+                    for strategy in ("sequential", "seek", "auto")
+                },
+                repeats,
+            )
+            seq, seek, auto = (r[k][1] for k in ("sequential", "seek", "auto"))
+            s = r["auto"][2]
             print(f"    {name:<24}{n:>7}{seek / seq:>7.2f}{auto / seq:>7.2f}  {s.strategy} ({s.seeks})")
     print()
 

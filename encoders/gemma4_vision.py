@@ -209,15 +209,14 @@ def aspect_ratio_preserving_size(
 
 # Above this many source pixels the two resize passes are split over worker threads.
 _THREADED_RESIZE_PIXELS = 2_000_000
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
 _POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(
-            max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="gemma4-resize"
-        )
+        _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="gemma4-resize")
     return _POOL
 
 
@@ -234,7 +233,7 @@ def resize_exact(pil: PILImage.Image, width: int, height: int, resample: int) ->
     L) take the threaded path.
     """
     src_w, src_h = pil.size
-    workers = _pool()._max_workers
+    workers = _WORKERS
     if (
         src_w * src_h < _THREADED_RESIZE_PIXELS
         or workers < 2

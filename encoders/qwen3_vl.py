@@ -388,13 +388,22 @@ class _ImagePixels:
             lut[c] = np.asarray(x, dtype=np.float32)
         self.lut = lut
         self._divisor = np.float32(1.0 / s.rescale_factor) if s.do_rescale else None
-        self._mean = np.array(s.image_mean, dtype=np.float32)
-        self._std = np.array(s.image_std, dtype=np.float32)
-        probe = np.repeat(np.arange(256, dtype=np.float32)[:, None], 3, axis=1)  # (level, channel)
-        self.arithmetic_exact = bool(np.array_equal(self._arith(probe).T, lut))
+        # Channel-uniform mean/std (Qwen3-VL: 0.5) are scalars and the arithmetic runs on the
+        # band as decoded (channels last); otherwise it runs after the merge-order transpose,
+        # where each channel is a contiguous p*p block (numpy broadcasting over a last axis of
+        # 3 is slow).
+        self.uniform = len(set(s.image_mean)) == 1 and len(set(s.image_std)) == 1
+        if self.uniform:
+            self._mean: np.ndarray = np.array(s.image_mean[0], dtype=np.float32)
+            self._std: np.ndarray = np.array(s.image_std[0], dtype=np.float32)
+        else:
+            self._mean = np.array(s.image_mean, dtype=np.float32).reshape(3, 1, 1)
+            self._std = np.array(s.image_std, dtype=np.float32).reshape(3, 1, 1)
+        probe = np.repeat(np.arange(256, dtype=np.float32)[None, :, None], 3, axis=0)  # (channel, level, 1)
+        self.arithmetic_exact = bool(np.array_equal(self._arith(probe).reshape(3, 256), lut))
 
     def _arith(self, x: np.ndarray) -> np.ndarray:
-        """In place on float32 ``x`` with channels last."""
+        """In place on float32 ``x`` (channels on axis -3 unless mean/std are uniform)."""
         if self._divisor is not None:
             np.divide(x, self._divisor, out=x)
         if self.s.do_normalize:
@@ -416,7 +425,7 @@ class _ImagePixels:
         out = out_t.numpy()
         rows = max(1, (2 << 20) // (m * p * w * 3 * 4))
         lut = self.lut.reshape(-1)
-        offsets = np.arange(3) * 256
+        offsets = (np.arange(3) * 256).reshape(3, 1, 1)
         for r0 in range(0, bh, rows):
             r1 = min(bh, r0 + rows)
             y0, y1 = r0 * m * p, r1 * m * p
@@ -426,12 +435,17 @@ class _ImagePixels:
                 band = np.frombuffer(source.crop((0, y0, w, y1)).tobytes(), dtype=np.uint8).reshape(
                     y1 - y0, w, 3
                 )
-            if self.arithmetic_exact:
-                x = self._arith(band.astype(np.float32))
-            else:
-                x = lut[band + offsets]
             # (rows, m, p, bw, m, p, C) -> (rows, bw, m, m, C, p, p): the reference's merge order
-            x = np.ascontiguousarray(x.reshape(r1 - r0, m, p, bw, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5))
+            order = (0, 3, 1, 4, 6, 2, 5)
+            split = (r1 - r0, m, p, bw, m, p, 3)
+            if not self.arithmetic_exact:
+                x = lut[band.reshape(split).transpose(order) + offsets]
+            elif self.uniform:
+                x = self._arith(band.astype(np.float32))
+                x = np.ascontiguousarray(x.reshape(split).transpose(order))
+            else:
+                x = np.ascontiguousarray(band.reshape(split).transpose(order)).astype(np.float32)
+                self._arith(x)
             dst = out[r0:r1]
             for k in range(t):  # the one frame fills every temporal slot
                 dst[:, :, :, :, :, k] = x
@@ -685,14 +699,10 @@ class Qwen3VLEncoder(MediaEncoder):
     @staticmethod
     def _pixel_bounds(params: dict[str, Any], lo: int, hi: int, kind: str) -> tuple[int, int]:
         for key in ("min_pixels", "max_pixels"):
-            v = params.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise InvalidRequestError(f"{key} must be a positive integer, got {v!r}", kind=kind)
-        lo = params.get("min_pixels") or lo
-        hi = params.get("max_pixels") or hi
-        if lo > hi:
-            raise InvalidRequestError(f"min_pixels {lo} is over max_pixels {hi}", kind=kind)
-        return lo, hi
+            _positive(params, key, integer=True, kind=kind)
+        # No ordering check: with max < min the reference's smart_resize takes the
+        # "too large" branch first, and so do we.
+        return params.get("min_pixels") or lo, params.get("max_pixels") or hi
 
     @staticmethod
     def _check_params(params: dict[str, Any], allowed: set[str], kind: str) -> None:
@@ -707,10 +717,11 @@ class Qwen3VLEncoder(MediaEncoder):
         self._check_params(params, {"min_pixels", "max_pixels"}, "image")
         s = self.image_settings
         rw, rh = self.image_size_for(image.width, image.height, **params)
-        source: np.ndarray | PILImage.Image = image.to_numpy()
+        source: np.ndarray | PILImage.Image
         if (rw, rh) != (image.width, image.height):
-            pil = PILImage.fromarray(source)
-            source = pil.resize((rw, rh), resample=PILImage.Resampling(s.resample))
+            source = image.to_pil().resize((rw, rh), resample=PILImage.Resampling(s.resample))
+        else:
+            source = image.to_numpy()
         pixel_values = self._image_pixels(source)
         gh, gw = rh // s.patch_size, rw // s.patch_size
         grid_thw = torch.tensor([[1, gh, gw]], dtype=torch.long)
@@ -753,23 +764,23 @@ class Qwen3VLEncoder(MediaEncoder):
         total = video.frame_count
         video_fps = video.fps if video.fps and video.fps > 0 else None
         if s.do_sample_frames:
-            if params.get("num_frames") is not None:
-                fps, num_frames = None, params["num_frames"]
-            else:
-                fps, num_frames = params.get("fps", s.fps), s.num_frames
+            asked_fps = _positive(params, "fps", integer=False)
+            asked_n = _positive(params, "num_frames", integer=True)
+            if asked_fps is not None and asked_n is not None:
+                raise InvalidRequestError("fps and num_frames are mutually exclusive", kind="video")
+            if asked_n is not None:
+                fps, num_frames = None, asked_n
+            else:  # fps=None (or absent) means the configured rate, as in the reference
+                fps, num_frames = asked_fps or s.fps, s.num_frames
                 if fps is not None and num_frames is not None:
                     fps = None  # a configured frame count wins over the default rate
-            for key, v in (("fps", fps), ("num_frames", num_frames)):
-                bad = isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
-                if v is not None and bad:
-                    raise InvalidRequestError(f"{key} must be a positive number, got {v!r}", kind="video")
             indices = sample_frame_indices(
                 total,
                 video_fps,
                 fps=fps,
-                num_frames=None if num_frames is None else int(num_frames),
-                min_frames=int(params.get("min_frames", s.min_frames)),
-                max_frames=int(params.get("max_frames", s.max_frames)),
+                num_frames=num_frames,
+                min_frames=_positive(params, "min_frames", integer=True) or s.min_frames,
+                max_frames=_positive(params, "max_frames", integer=True) or s.max_frames,
             )
         else:
             indices = list(range(total))
@@ -885,6 +896,18 @@ class Qwen3VLEncoder(MediaEncoder):
             Encoded(embeddings=merged[i], deepstack=[layer[i] for layer in deepstack] if deepstack else None)
             for i in range(len(items))
         ]
+
+
+def _positive(params: dict[str, Any], key: str, *, integer: bool, kind: str = "video") -> Any:
+    """``params[key]`` when given: a positive finite number (an int where ``integer``)."""
+    v = params.get(key)
+    if v is None:
+        return None
+    ok = not isinstance(v, bool) and isinstance(v, (int, np.integer) if integer else (int, float))
+    if not ok or not math.isfinite(v) or v <= 0:
+        what = "a positive integer" if integer else "a positive number"
+        raise InvalidRequestError(f"{key} must be {what}, got {v!r}", kind=kind)
+    return int(v) if integer else v
 
 
 # --------------------------------------------------------------------------- checkpoint files

@@ -216,9 +216,9 @@ class Gemma4(Architecture):
     def encoder_kwargs(self) -> dict[str, Any]:
         m = self.hf.model
         towers = {
-            "vision": m.vision_tower,
+            "vision_tower": m.vision_tower,
             "embed_vision": m.embed_vision,
-            "audio": m.audio_tower,
+            "audio_tower": m.audio_tower,
             "embed_audio": m.embed_audio,
         }
         return {"towers": {k: v for k, v in towers.items() if v is not None}}

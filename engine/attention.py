@@ -177,7 +177,9 @@ def _attend(
         if seq.q_len == 1:
             return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=groups > 1)
         if seq.kv_start == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1
+            )
         q_rows = torch.arange(seq.kv_start, seq.kv_len, device=q.device)
         mask = torch.arange(seq.kv_len, device=q.device)[None, :] <= q_rows[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)

@@ -51,7 +51,10 @@ async def caption_many_async(
     """Caption several images concurrently (their decode steps share forward passes)."""
     return list(
         await asyncio.gather(
-            *(caption_async(model, im, prompt=prompt, max_tokens=max_tokens, sampler=sampler) for im in images)
+            *(
+                caption_async(model, im, prompt=prompt, max_tokens=max_tokens, sampler=sampler)
+                for im in images
+            )
         )
     )
 

@@ -64,7 +64,9 @@ class ChatTemplate:
 
     def turn(self, history: list[Message], message: Message) -> str:
         """Text that appending ``message`` to ``history`` adds."""
-        return self._delta(self.render(history), self.render([*history, message]), f"a {message['role']} turn")
+        return self._delta(
+            self.render(history), self.render([*history, message]), f"a {message['role']} turn"
+        )
 
     def cue(self, history: list[Message]) -> str:
         """Text of the generation prompt after ``history``."""

@@ -373,10 +373,16 @@ class Context:
         return self.truncate(max(0, len(self._rows) - k))
 
     def close(self) -> None:
-        """Release the pages (idempotent)."""
+        """Release the pages (idempotent). Closing while a pass of this context runs
+        releases them when the pass ends (its rows are being written)."""
         if self._closed:
             return
         self._closed = True
+        if self._busy:
+            return  # _Busy.__exit__ finishes the job
+        self._release()
+
+    def _release(self) -> None:
         self._table.release()
         self._finalizer.detach()
         self._rows = []
@@ -532,7 +538,9 @@ class Context:
             self._append_text(self.model.tokenize(tail))
         chat.messages.append({"role": "assistant", "content": [{"type": "text", "text": content}]})
 
-    def _stop_condition(self, stop: stopping.StopCondition | None, max_tokens: int | None) -> stopping.StopCondition:
+    def _stop_condition(
+        self, stop: stopping.StopCondition | None, max_tokens: int | None
+    ) -> stopping.StopCondition:
         if stop is None:
             cond: stopping.StopCondition = stopping.max_tokens(max_tokens or DEFAULT_MAX_TOKENS)
             if self.model.eos_token_ids:
@@ -567,11 +575,14 @@ class Context:
         total = len(self._rows)
         collected: list[torch.Tensor] = []
         while self._n < total:
+            self._check_open()  # closed while the previous chunk ran
             if want != "all":
                 self._reuse_published_pages(limit=total - 1)
             start = self._n
             end = self._chunk_end(start, total)
-            step = self._build_step(start, end, want if end == total else ("all" if want == "all" else "none"))
+            step = self._build_step(
+                start, end, want if end == total else ("all" if want == "all" else "none")
+            )
             result = await self.model.scheduler.submit(step)
             self._n = end
             self._publish_full_pages()
@@ -682,25 +693,14 @@ class Context:
                 entry = spans.setdefault(id(r.span), (r.span, [], []))
                 entry[1].append(i)
                 entry[2].append(r.emb)
-        if not spans:
-            return []
-        items = list(spans.values())
-        encoded = self.model.encode([s.prepared for s, _, _ in items])
-        out = []
-        for (span, at, emb), enc in zip(items, encoded, strict=True):
-            if enc.embeddings.shape[0] != span.prepared.token_count:
-                raise InvalidRequestError(
-                    f"encoder gave {enc.embeddings.shape[0]} rows for {span.prepared.token_count} placeholders"
-                )
-            sel = torch.tensor(emb, dtype=torch.long)
-            out.append(
-                MediaRows(
-                    rows=torch.tensor(at, dtype=torch.long),
-                    embeds=enc.embeddings[sel.to(enc.embeddings.device)],
-                    deepstack=[d[sel.to(d.device)] for d in enc.deepstack] if enc.deepstack else None,
-                )
+        return [
+            MediaRows(
+                rows=torch.tensor(at, dtype=torch.long),
+                prepared=span.prepared,
+                index=torch.tensor(emb, dtype=torch.long),
             )
-        return out
+            for span, at, emb in spans.values()
+        ]
 
     def _publish_full_pages(self) -> None:
         ps, table, pool = self._pool.page_size, self._table, self._pool
@@ -721,3 +721,5 @@ class _Busy:
 
     def __exit__(self, *exc: object) -> None:
         self.ctx._busy = False
+        if self.ctx._closed:
+            self.ctx._release()

@@ -10,28 +10,33 @@ logits it asked for (none, the last row's, or every row's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from engine.architectures import Architecture, TextInputs
 from engine.attention import AttentionBackend, BatchMeta, SeqMeta
+from engine.errors import InvalidRequestError
 from engine.kv_pool import KVPool
 
+if TYPE_CHECKING:
+    from encoders import Encoded, Prepared
+
 LogitsWanted = Literal["none", "last", "all"]
+Encode = Callable[[list["Prepared"]], list["Encoded"]]
 
 
 @dataclass
 class MediaRows:
-    """Media embeddings for some rows of one step."""
+    """Rows of one step that take embeddings of one media item."""
 
     rows: torch.Tensor
     """(M,) row indices inside the step."""
-    embeds: torch.Tensor
-    """(M, hidden)."""
-    deepstack: list[torch.Tensor] | None = None
-    """Per DeepStack layer (M, hidden), or None."""
+    prepared: Prepared
+    index: torch.Tensor
+    """(M,) which rows of the item's encoder output they take (placeholder ordinals)."""
 
 
 @dataclass
@@ -55,9 +60,11 @@ class ForwardRunner:
         pool: KVPool,
         *,
         device: torch.device,
+        encode: Encode | None = None,
         backend: AttentionBackend | None = None,
     ):
         self.arch = arch
+        self.encode = encode
         self.pool = pool
         self.device = device
         self.backend = backend
@@ -76,8 +83,7 @@ class ForwardRunner:
         slots: list[torch.Tensor] = []
         seqs: list[SeqMeta] = []
         media_rows: list[torch.Tensor] = []
-        media_embeds: list[torch.Tensor] = []
-        media_deepstack: list[list[torch.Tensor] | None] = []
+        media: list[MediaRows] = []
         start = 0
         for step in steps:
             n = len(step.tokens)
@@ -85,7 +91,9 @@ class ForwardRunner:
                 raise ValueError("a forward step must compute at least one row")
             need_pages = -(-(step.kv_start + n) // ps)
             if len(step.pages) < need_pages:
-                raise RuntimeError(f"page table covers {len(step.pages) * ps} rows, {step.kv_start + n} needed")
+                raise RuntimeError(
+                    f"page table covers {len(step.pages) * ps} rows, {step.kv_start + n} needed"
+                )
             ids.extend(step.tokens)
             positions.append(step.positions)
             table = torch.tensor(step.pages[:need_pages], dtype=torch.long)
@@ -102,10 +110,10 @@ class ForwardRunner:
             )
             for m in step.media:
                 media_rows.append(m.rows + start)
-                media_embeds.append(m.embeds)
-                media_deepstack.append(m.deepstack)
+                media.append(m)
             start += n
 
+        media_embeds, media_deepstack = self._encode(media)
         deepstack = None
         if media_rows and any(d for d in media_deepstack):
             depth = max(len(d) for d in media_deepstack if d)
@@ -118,7 +126,9 @@ class ForwardRunner:
         inp = TextInputs(
             ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.cat(positions, dim=1).to(dev),
-            media_rows=torch.cat(media_rows).to(dev) if media_rows else torch.empty(0, dtype=torch.long, device=dev),
+            media_rows=torch.cat(media_rows).to(dev)
+            if media_rows
+            else torch.empty(0, dtype=torch.long, device=dev),
             media_embeds=torch.cat(media_embeds).to(dev) if media_embeds else None,
             deepstack=deepstack,
         )
@@ -158,3 +168,26 @@ class ForwardRunner:
                 out.append(logits[at : at + n])
                 at += n
         return out
+
+    def _encode(self, media: list[MediaRows]) -> tuple[list[torch.Tensor], list[list[torch.Tensor] | None]]:
+        """Encoder output rows for every media slice of the batch: each distinct item runs
+        through the tower once per pass (and not at all when the encoder cache has it)."""
+        if not media:
+            return [], []
+        if self.encode is None:
+            raise RuntimeError("this runner has no media encoder")
+        unique: dict[str, Prepared] = {}
+        for m in media:
+            unique.setdefault(m.prepared.cache_key, m.prepared)
+        encoded = dict(zip(unique, self.encode(list(unique.values())), strict=True))
+        embeds, deepstack = [], []
+        for m in media:
+            enc = encoded[m.prepared.cache_key]
+            if enc.embeddings.shape[0] != m.prepared.token_count:
+                raise InvalidRequestError(
+                    f"the encoder gave {enc.embeddings.shape[0]} rows for {m.prepared.token_count} placeholders"
+                )
+            idx = m.index.to(enc.embeddings.device)
+            embeds.append(enc.embeddings[idx])
+            deepstack.append([d[idx] for d in enc.deepstack] if enc.deepstack else None)
+        return embeds, deepstack

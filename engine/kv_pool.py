@@ -56,7 +56,9 @@ class PoolStats:
 
 def bytes_per_page(layers: Sequence[LayerLayout], page_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * page_size * lay.kv_heads * lay.head_dim * elem for lay in layers if lay.shares_with is None)
+    return sum(
+        2 * page_size * lay.kv_heads * lay.head_dim * elem for lay in layers if lay.shares_with is None
+    )
 
 
 class KVPool:

@@ -151,7 +151,7 @@ class Model:
         self.dtype = dtype
         self.pool = pool
         self.max_prefill_rows = max_prefill_rows
-        self.runner = ForwardRunner(arch, pool, device=device)
+        self.runner = ForwardRunner(arch, pool, device=device, encode=self.encode)
         self.scheduler = Scheduler(self.runner, max_batch_rows=max_batch_rows)
         self.chat = ChatTemplate(tokenizer, getattr(tokenizer, "chat_template", None), **chat_template_kwargs)
         self._encoder_cache = encoder_cache
@@ -199,7 +199,11 @@ class Model:
         model_cls = getattr(transformers, arch_cls.name)
         with _QuietTransformers():
             try:
-                hf, info = model_cls.from_pretrained(path, dtype=dtype, output_loading_info=True)
+                # Mismatched shapes are loaded as fresh weights and reported in ``info``;
+                # _check_loading_info turns them into a CheckpointShapeError naming them.
+                hf, info = model_cls.from_pretrained(
+                    path, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+                )
             except (RuntimeError, ValueError) as e:
                 text = str(e)
                 if "size mismatch" in text or "shape" in text.lower():
@@ -338,7 +342,7 @@ def _check_loading_info(path: Path, info: dict[str, Any]) -> None:
     missing = list(info.get("missing_keys") or [])
     mismatched = list(info.get("mismatched_keys") or [])
     if mismatched:
-        shown = ", ".join(str(m) for m in mismatched[:5])
+        shown = ", ".join(_describe_mismatch(m) for m in mismatched[:5])
         raise CheckpointShapeError(f"{path}: {len(mismatched)} weight(s) have the wrong shape: {shown}")
     if missing:
         shown = ", ".join(missing[:8])
@@ -346,3 +350,10 @@ def _check_loading_info(path: Path, info: dict[str, Any]) -> None:
             f"{path}: {len(missing)} weight(s) the architecture needs are not in the checkpoint: {shown}"
             + (" ..." if len(missing) > 8 else "")
         )
+
+
+def _describe_mismatch(m: Any) -> str:
+    if isinstance(m, tuple | list) and len(m) == 3:
+        name, have, want = m
+        return f"{name} (checkpoint {tuple(have)}, config expects {tuple(want)})"
+    return str(m)

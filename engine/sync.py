@@ -84,7 +84,9 @@ class SyncContext:
     def flush(self, *, return_logits: bool = False) -> Any:
         return run_sync(self.ctx.flush(return_logits=return_logits))
 
-    def decode_step_dist(self, sampler: sampling.Sampler | None = None, *, top_n: int | None = None) -> Distribution:
+    def decode_step_dist(
+        self, sampler: sampling.Sampler | None = None, *, top_n: int | None = None
+    ) -> Distribution:
         return run_sync(self.ctx.decode_step_dist(sampler, top_n=top_n))
 
     def generate(

@@ -26,6 +26,21 @@ of the two: it seeks only when the gap it skips is larger than the overhead. So 
 clips with frequent keyframes and sparse samples seek; dense samples or rare keyframes
 (a long GOP) decode forward. ``"seek"`` seeks whenever the wanted frame's keyframe lies
 ahead; ``"sequential"`` never seeks.
+
+Limits (``MediaLimits``), all checked on the header before decoding: ``max_bytes``,
+``max_frame_pixels`` (also passed to the decoder as ``max_pixels``, so a stream that
+changes resolution mid-way cannot make it allocate a bigger frame), ``max_video_seconds``
+(the larger of the stream's and the container's declared duration), and
+``max_container_frames`` (declared count, or the demux-only packet count, which stops
+counting at the limit). Animated GIF "bombs" (thousands of tiny frames) are bounded by
+these: FFmpeg gives every GIF frame at least 20 ms, so an hour holds at most 180 000
+frames; a 5000-frame 16x16 GIF samples in ~0.1-0.3 s and holds only the sampled
+frames. Deployments that want to refuse such files outright lower
+``max_container_frames``. ``sample()`` returns at most ``limits.max_frames`` frames.
+
+Errors: only ``MediaError`` subclasses leave ``from_bytes``, ``sample`` and
+``sample_indices``; a requested frame that cannot be decoded is skipped and reported in
+``SampledFrames.skipped``, and ``CorruptMediaError`` is raised only when none can be.
 """
 
 from __future__ import annotations

@@ -71,9 +71,16 @@ def reference_greedy(ref, n: int, **inputs) -> list[int]:
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        out = ref.generate(**inputs, generation_config=config)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
+    saved = ref.generation_config.eos_token_id
+    ref.generation_config.eos_token_id = None  # else generate() merges the checkpoint's EOS back in
+    try:
+        with torch.no_grad():
+            out = ref.generate(**inputs, generation_config=config)
+    finally:
+        ref.generation_config.eos_token_id = saved
+    tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(tokens) == n
+    return tokens
 
 
 def reference_logits(ref, **inputs) -> torch.Tensor:

@@ -178,10 +178,15 @@ def test_truncate_then_sample_recomputes_the_last_logits(gemma):
 
 
 def test_out_of_pages_is_typed_and_recoverable():
-    small = Model.load(TINY_GEMMA, kv_pages=6, page_size=16)
-    a = SyncContext(small).user(LONG)  # ~60 rows: 4 pages
+    probe = Model.load(TINY_GEMMA, kv_pages=1, page_size=16)
+    rows_a = len(SyncContext(probe).user(LONG))
+    rows_b = len(SyncContext(probe).user("Unrelated: " + LONG + LONG))
+    pages_a, pages_b = -(-rows_a // 16), -(-rows_b // 16)
+    small = Model.load(TINY_GEMMA, kv_pages=pages_b + 1, page_size=16)
+    assert pages_a + pages_b > pages_b + 1
+    a = SyncContext(small).user(LONG)
     a.flush()
-    b = SyncContext(small).user(LONG + LONG)  # needs ~8 pages
+    b = SyncContext(small).user("Unrelated: " + LONG + LONG)
     with pytest.raises(OutOfPagesError) as e:
         b.flush()
     assert e.value.needed > e.value.available
@@ -191,7 +196,7 @@ def test_out_of_pages_is_typed_and_recoverable():
     b.flush()  # fits now
     assert b.pending == 0
     out = _greedy(b, 3)
-    ref = SyncContext(small).user(LONG + LONG)
+    ref = SyncContext(small).user("Unrelated: " + LONG + LONG)
     assert _greedy(ref, 3) == out
     b.close()
     ref.close()

@@ -11,7 +11,9 @@ from engine.page_hashing import MediaRow, page_key
 
 
 def _pool(n=4, ps=4):
-    return KVPool([LayerLayout(2, 8), LayerLayout(2, 16), LayerLayout(0, 16, shares_with=1)], num_pages=n, page_size=ps)
+    return KVPool(
+        [LayerLayout(2, 8), LayerLayout(2, 16), LayerLayout(0, 16, shares_with=1)], num_pages=n, page_size=ps
+    )
 
 
 def test_layers_have_their_own_shapes_and_shared_layers_own_nothing():

@@ -1,0 +1,75 @@
+"""Role methods append what the checkpoint's chat template renders, turn by turn."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import InvalidRequestError, Sampler, SyncContext, max_tokens
+from tests.engine.conftest import TINY_GEMMA, TINY_QWEN
+
+
+def _msg(role, text):
+    return {"role": role, "content": [{"type": "text", "text": text}]}
+
+
+@pytest.mark.parametrize("name", [TINY_QWEN, TINY_GEMMA])
+def test_multi_turn_history_equals_the_template(models, name):
+    model = models[name]
+    ctx = SyncContext(model).system("Be brief.").user("Hi!").assistant("Hello.").user("How are you?").cue()
+    conv = [
+        _msg("system", "Be brief."),
+        _msg("user", "Hi!"),
+        _msg("assistant", "Hello."),
+        _msg("user", "How are you?"),
+    ]
+    text = model.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert ctx.token_ids == model.tokenizer.encode(text, add_special_tokens=False)
+    ctx.close()
+
+
+def test_turn_after_generation_closes_the_assistant_turn_qwen(qwen):
+    # the model "answered" with its end-of-turn token: only the newline is missing
+    ctx = SyncContext(qwen).user("Hi!").cue().fill("Hello there.<|im_end|>").user("And now?").cue()
+    conv = [_msg("user", "Hi!"), _msg("assistant", "Hello there."), _msg("user", "And now?")]
+    text = qwen.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert ctx.token_ids == qwen.tokenizer.encode(text, add_special_tokens=False)
+    ctx.close()
+    # stopped on length: the end-of-turn token is added too
+    ctx = SyncContext(qwen).user("Hi!").cue()
+    out = ctx.generate(Sampler.greedy(), max_tokens(5))
+    ctx.user("And now?").cue()
+    said = qwen.detokenize(out.tokens, skip_special_tokens=True)
+    conv = [_msg("user", "Hi!"), _msg("assistant", said), _msg("user", "And now?")]
+    assert ctx.text() == qwen.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    ctx.close()
+
+
+def test_turn_after_generation_closes_the_assistant_turn_gemma(gemma):
+    ctx = SyncContext(gemma).user("Hi!").cue().fill("Hello there.<turn|>").user("And now?").cue()
+    assert ctx.text().endswith(
+        "Hello there.<turn|>\n<|turn>user\nAnd now?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    )
+    ctx.close()
+    ctx = SyncContext(gemma).user("Hi!").cue()
+    ctx.generate(Sampler.greedy(), max_tokens(3))
+    ctx.user("Next").cue()
+    assert "<turn|>\n<|turn>user\nNext<turn|>\n" in ctx.text()
+    ctx.close()
+
+
+def test_media_marker_without_media_is_refused(qwen, gemma):
+    with pytest.raises(InvalidRequestError):
+        SyncContext(gemma).user("look: <|image|>")
+    with pytest.raises(InvalidRequestError):
+        SyncContext(qwen).user("look: <|vision_start|><|image_pad|><|vision_end|>")
+
+
+def test_media_the_model_cannot_take(qwen, samples):
+    from encoders import UnsupportedMediaKindError
+    from media import Audio
+
+    audio = Audio.from_path(samples / "audio" / "tone_16k_mono.wav")
+    with pytest.raises(UnsupportedMediaKindError):
+        SyncContext(qwen).user(audio, "What is this?")
+    with pytest.raises(UnsupportedMediaKindError):
+        SyncContext(qwen).append_audio(audio)
