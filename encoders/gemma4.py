@@ -542,8 +542,13 @@ class Gemma4Encoder(MediaEncoder):
         return self.audio_settings
 
     def _text(self, text: str) -> tuple[int, ...]:
-        """Token ids of a text segment that sits between special tokens in the prompt (the
-        tokenizer splits special tokens out first, so it tokenizes alone as in context)."""
+        """Token ids of a timestamp segment. Every segment after the first sits between two
+        special tokens (``<image|>`` and ``<|image>``), which the tokenizer splits out first,
+        so it tokenizes alone exactly as in the reference prompt. The first one is preceded
+        by whatever text precedes the video in the prompt; the engine appends the span as
+        its own run, which equals the reference whenever that text ends in a special token
+        or in text the tokenizer does not merge with the digits (as the chat template's
+        ``"<|turn>user\n"``: checked in the tests)."""
         ids = self._text_ids.get(text)
         if ids is None:
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -598,7 +603,8 @@ class Gemma4Encoder(MediaEncoder):
             per_item[i].append(emb)
         result = []
         for p, parts in zip(items, per_item, strict=True):
-            emb = parts[0] if len(parts) == 1 else torch.cat(parts)
+            # Own storage per item: a view would keep the whole batch alive in the cache.
+            emb = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
             if emb.shape[0] != p.token_count:
                 raise RuntimeError(f"vision tower gave {emb.shape[0]} rows for {p.token_count} tokens")
             result.append(Encoded(embeddings=emb))

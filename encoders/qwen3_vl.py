@@ -36,6 +36,7 @@ table as fallback).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -945,13 +946,21 @@ def _read_processor_configs(model_dir: Path) -> tuple[dict[str, Any], dict[str, 
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
-    from tokenizers import Tokenizer
-
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise UnsupportedModelError(f"{model_dir} has no tokenizer.json")
+    st = path.stat()
+    return _tokenizer_from_file(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_from_file(path: str, mtime_ns: int, size: int) -> Any:
+    """Parsing a real Qwen tokenizer.json takes ~0.5 s; encoders of one checkpoint share it
+    (``tokenizers.Tokenizer.encode`` is safe to call from several threads)."""
+    from tokenizers import Tokenizer
+
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises its own Exception type
         raise UnsupportedModelError(f"cannot load {path}: {e}") from e
 

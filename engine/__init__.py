@@ -5,7 +5,7 @@ Knows nothing about HTTP or WASM. Import what you need from here::
     from engine import Model, Context, Sampler, max_tokens, eos
 """
 
-from engine.caption import caption, caption_async
+from engine.caption import caption, caption_async, caption_many, caption_many_async
 from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.errors import (
     CheckpointShapeError,
@@ -49,6 +49,8 @@ __all__ = [
     "UnsupportedArchitectureError",
     "caption",
     "caption_async",
+    "caption_many",
+    "caption_many_async",
     "eos",
     "eos_from",
     "generator",

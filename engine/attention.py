@@ -121,7 +121,7 @@ class TorchBackend:
 
     def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         kc, vc = meta.pool.kv(layer)
-        _, n_pages_rows, kvh, hd = kc.shape
+        kvh, hd = kc.shape[2], kc.shape[3]
         # key/value: (1, kv_heads, N, head_dim) -> (N, kv_heads, head_dim)
         kc.view(-1, kvh, hd).index_copy_(0, meta.slots, key[0].transpose(0, 1).to(kc.dtype))
         vc.view(-1, kvh, hd).index_copy_(0, meta.slots, value[0].transpose(0, 1).to(vc.dtype))

@@ -91,8 +91,10 @@ class KVPool:
                 self.v.append(None)
                 continue
             shape = (num_pages, page_size, lay.kv_heads, lay.head_dim)
-            self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
-            self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            # Uninitialised: only rows a context wrote are ever read (attention slices each
+            # gathered sequence to its length), and untouched memory is not committed.
+            self.k.append(torch.empty(shape, dtype=dtype, device=self.device))
+            self.v.append(torch.empty(shape, dtype=dtype, device=self.device))
         self.bytes_per_page = bytes_per_page(self.layers, page_size, dtype)
 
         self._lock = threading.RLock()

@@ -221,7 +221,10 @@ class Model:
         except OSError:
             generation_config = hf.generation_config
 
-        hf = hf.to(dev).eval()
+        try:
+            hf = hf.to(dev).eval()
+        except (RuntimeError, AssertionError) as e:
+            raise ModelLoadError(f"cannot place the model on {dev}: {e}") from e
         hf.set_attn_implementation({"text_config": register_attention()})
         arch = arch_cls(hf)
         layouts = arch.layer_layouts()

@@ -14,12 +14,13 @@ from media.errors import (
 from media.hashing import content_hash
 from media.image import Image
 from media.limits import DEFAULT_LIMITS, MediaLimits
-from media.video import SampledFrames, Video
+from media.video import DecodePlan, SampledFrames, SkippedFrame, Video
 
 __all__ = [
     "Audio",
     "CorruptMediaError",
     "DEFAULT_LIMITS",
+    "DecodePlan",
     "EmptyMediaError",
     "Image",
     "InvalidRequestError",
@@ -28,6 +29,7 @@ __all__ = [
     "MediaTooLargeError",
     "MediaTooLongError",
     "SampledFrames",
+    "SkippedFrame",
     "UnsupportedFormatError",
     "Video",
     "content_hash",

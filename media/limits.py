@@ -34,6 +34,9 @@ class MediaLimits:
     """Width x height of one video frame (4K UHD)."""
     max_frames: int = 1024
     """Frames returned by one sample() call."""
+    max_sample_bytes: int = 2 * 1024 * MiB
+    """Decoded RGB bytes one sample() call may hold (frames x width x height x 3): 1024
+    frames of 4K would be ~25 GB, so the frame count alone is not a memory bound."""
     max_container_frames: int = 1_000_000
     """Frames a video may declare or contain (animated GIF/WebP bombs)."""
 

@@ -1099,6 +1099,15 @@ class Video:
             raise InvalidRequestError(
                 f"strategy must be auto, seek or sequential, got {strategy!r}", kind=KIND
             )
+        need = len(indices) * self.width * self.height * 3
+        if need > self._limits.max_sample_bytes:
+            raise MediaTooLargeError(
+                f"{len(indices)} frames of {self.width}x{self.height} need {need} bytes, over the "
+                f"limit of {self._limits.max_sample_bytes} bytes per sample() call; ask for fewer frames",
+                limit=self._limits.max_sample_bytes,
+                actual=need,
+                kind=KIND,
+            )
         targets = sorted(set(indices))
         m = self._src.meta
         out = _Decoded(targets, m.height, m.width)

@@ -318,12 +318,41 @@ def test_towers_passed_by_the_engine_are_used(folder, ref, samples):
     e = encoder_for(folder, cache=EncoderCache(), towers=towers, load_weights=False)
     assert e.towers["vision_tower"] is model.model.vision_tower
     assert "audio_tower" in e.towers  # the missing ones were loaded from the checkpoint
-    p = e.prepare(_image(samples, "photo_640x480.jpg"))
+    p = e.prepare(_image(samples, "photo_640x480.jpg"), max_soft_tokens=70)
     with torch.no_grad():
         reference = model.model.get_image_features(
             p.inputs["pixel_values"], p.inputs["image_position_ids"]
         ).pooler_output[0]
     torch.testing.assert_close(e.encode([p])[0].embeddings, reference, rtol=0, atol=EMBED_ATOL)
+
+
+def test_image_settings_other_than_the_checkpoints(ref):
+    """Per-channel normalisation and other filters (not used by released checkpoints) follow the
+    reference too: settings parsed from the processor's own dict, pixels from the lower-level
+    functions the encoder uses."""
+    from PIL import Image as PILImage
+    from transformers import Gemma4ImageProcessorPil
+
+    from encoders.gemma4_vision import VisionSettings, aspect_ratio_preserving_size, patchify, resize_exact
+
+    img = _random_image(200, 120, seed=9)
+    for kwargs in (
+        {"do_normalize": True, "image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.3, 0.4]},
+        {"resample": PILImage.Resampling.BILINEAR, "rescale_factor": 1 / 127.5},
+        {"resample": PILImage.Resampling.LANCZOS, "max_soft_tokens": 140},
+    ):
+        reference = Gemma4ImageProcessorPil(**kwargs)
+        s = VisionSettings.from_dict(reference.to_dict(), video=False)
+        h, w = aspect_ratio_preserving_size(
+            img.height, img.width, s.patch_size, s.max_patches(s.max_soft_tokens), s.pooling_kernel_size
+        )
+        pixels = np.asarray(resize_exact(img.to_pil(), w, h, s.resample))[None]
+        values, positions, _ = patchify(
+            pixels, s.patch_size, s.pixel_table(video=False), s.max_patches(s.max_soft_tokens)
+        )
+        theirs = reference(img.to_pil(), return_tensors="pt")
+        assert torch.equal(values, theirs["pixel_values"]), kwargs
+        assert torch.equal(positions, theirs["image_position_ids"]), kwargs
 
 
 # ----------------------------------------------------------------------------------------- audio
@@ -380,6 +409,32 @@ def test_audio_over_30s_is_truncated_like_the_reference(enc, ref, samples):
     assert err.value.limit == 30.0 and err.value.actual == pytest.approx(35.0) and err.value.kind == "audio"
     with pytest.raises(InvalidRequestError):
         enc.prepare(clip, truncate="no")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"preemphasis": 0.97, "preemphasis_htk_flavor": True},
+        {"preemphasis": 0.97, "preemphasis_htk_flavor": False},
+        {"per_bin_mean": list(np.linspace(-2, 2, 128)), "per_bin_stddev": list(np.linspace(0.5, 2, 128))},
+        {"input_scale_factor": 0.5, "mel_floor": 1e-5, "fft_overdrive": True},
+        {"frame_length_ms": 25.0, "hop_length_ms": 12.5, "feature_size": 80, "max_frequency": 7600.0},
+    ],
+)
+def test_audio_settings_other_than_the_checkpoints(kwargs):
+    """Options the released config leaves off follow the reference too (settings parsed from the
+    feature extractor's own saved dict, as a checkpoint would carry it)."""
+    from transformers import Gemma4AudioFeatureExtractor
+
+    from encoders.gemma4_audio import AudioSettings, LogMel
+
+    reference = Gemma4AudioFeatureExtractor(**kwargs)
+    settings = AudioSettings.from_dict({**json.loads(reference.to_json_string()), **kwargs})
+    wave = _speechlike(40_017, seed=5)
+    features, mask = LogMel(settings)(wave)
+    theirs = reference([wave], return_tensors="np")
+    np.testing.assert_array_equal(features, theirs["input_features"][0])
+    np.testing.assert_array_equal(mask, theirs["input_features_mask"][0])
 
 
 def test_audio_too_short_for_one_token(enc):
@@ -518,6 +573,14 @@ def test_video_against_reference_formulas(enc, ref, samples, name, params, embed
     expected = processor.tokenizer("<|turn>" + text, add_special_tokens=False)["input_ids"][1:]
     assert list(p.input_ids) == expected
     assert list(p.mm_token_type) == processor.create_mm_token_type_ids([expected])[0]
+    # ... and in context: the chat prompt with the placeholder expanded as the processor would
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    full = processor.tokenizer(prompt.replace(processor.video_token, text), add_special_tokens=False)[
+        "input_ids"
+    ]
+    start = full.index(enc.tokens.boi) - (expected.index(enc.tokens.boi))
+    assert full[start : start + len(expected)] == expected
     assert p.timestamps == tuple(metadata.timestamps)
     assert len(p.meta["bidirectional_blocks"]) == len(indices)
     assert all(b - a == per_frame for a, b in p.meta["bidirectional_blocks"])

@@ -304,7 +304,7 @@ def test_sample_images_match_reference(encoder, image_processor, images_dir, nam
     image = Image.from_path(images_dir / name)
     prepared = encoder.prepare(image)
     _assert_same_image_inputs(prepared, reference_prepare_image(image_processor, image.to_pil()))
-    if name not in MEDIA_DECODES_DIFFERENTLY:
+    if name not in MEDIA_DECODES_DIFFERENTLY and not name.startswith("photo_4032"):  # (time: once is enough)
         # The raw file through the reference's own convert_to_rgb gives the same numbers.
         with PILImage.open(images_dir / name) as raw:
             _assert_same_image_inputs(prepared, reference_prepare_image(image_processor, raw))

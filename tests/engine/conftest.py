@@ -32,14 +32,14 @@ ATOL = 1e-4
 def qwen():
     from engine import Model
 
-    return Model.load(TINY_QWEN, kv_pages=512)
+    return Model.load(TINY_QWEN, kv_pages=512, device="cpu")
 
 
 @pytest.fixture(scope="session")
 def gemma():
     from engine import Model
 
-    return Model.load(TINY_GEMMA, kv_pages=512)
+    return Model.load(TINY_GEMMA, kv_pages=512, device="cpu")
 
 
 @pytest.fixture(scope="session")
@@ -86,3 +86,23 @@ def reference_greedy(ref, n: int, **inputs) -> list[int]:
 def reference_logits(ref, **inputs) -> torch.Tensor:
     with torch.no_grad():
         return ref(**inputs).logits[0].float()
+
+
+# Max |Δ logits| per parity check, printed at the end of the run (the numbers the
+# tolerance above is judged against).
+PARITY: dict[str, float] = {}
+
+
+def assert_logits_close(ours: torch.Tensor, theirs: torch.Tensor, label: str, atol: float = ATOL) -> float:
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    diff = (ours.float().cpu() - theirs.float().cpu()).abs().max().item()
+    PARITY[label] = max(diff, PARITY.get(label, 0.0))
+    assert diff < atol, f"{label}: max |Δ logits| {diff:.3g} >= {atol}"
+    return diff
+
+
+def pytest_terminal_summary(terminalreporter):
+    if PARITY:
+        terminalreporter.section("engine parity: max |Δ logits| vs transformers (float32)")
+        for label, diff in sorted(PARITY.items()):
+            terminalreporter.write_line(f"{diff:10.3g}  {label}")

@@ -14,7 +14,7 @@ import torch
 
 from engine import Model, Sampler, SyncContext, max_tokens
 from media import Image
-from tests.engine.conftest import ATOL, reference_greedy, reference_logits
+from tests.engine.conftest import assert_logits_close, reference_greedy, reference_logits
 from tests.engine.test_parity_media import _pil, _without_video
 
 PROMPT = "Hello there, tell me a long story about a cat who lives in a small village near the sea."
@@ -41,7 +41,11 @@ def variant(tmp_path_factory, gemma):
     folder = tmp_path_factory.mktemp("gemma4-variant")
     ref.save_pretrained(folder)
     for f in gemma.path.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
+        if (
+            f.is_file()
+            and f.suffix != ".safetensors"
+            and f.name not in ("config.json", "generation_config.json")
+        ):
             shutil.copy(f, folder / f.name)
     model = Model.load(folder, kv_pages=128, device="cpu")
     return model, ref
@@ -61,7 +65,7 @@ def test_kv_sharing_text_parity(variant):
     assert len(ids) > 16
     ours = ctx.flush(return_logits=True)
     theirs = reference_logits(ref, input_ids=torch.tensor([ids]))
-    assert (ours - theirs).abs().max().item() < ATOL
+    assert_logits_close(ours, theirs, "gemma4 variant with KV sharing, text")
     out = ctx.generate(Sampler.greedy(), max_tokens(16)).tokens
     assert out == reference_greedy(ref, 16, input_ids=torch.tensor([ids]))
     ctx.close()
@@ -69,7 +73,12 @@ def test_kv_sharing_text_parity(variant):
 
 def test_bidirectional_image_blocks(variant):
     from PIL import Image as PILImage
-    from transformers import AutoTokenizer, Gemma4AudioFeatureExtractor, Gemma4ImageProcessorPil, Gemma4Processor
+    from transformers import (
+        AutoTokenizer,
+        Gemma4AudioFeatureExtractor,
+        Gemma4ImageProcessorPil,
+        Gemma4Processor,
+    )
 
     model, ref = variant
     assert model.runner.block_overlay_layers == {0, 2}
@@ -101,7 +110,7 @@ def test_bidirectional_image_blocks(variant):
     assert ctx.token_ids == inputs["input_ids"][0].tolist()
     ours = ctx.flush(return_logits=True)
     theirs = reference_logits(ref, **inputs)
-    assert (ours - theirs).abs().max().item() < ATOL
+    assert_logits_close(ours, theirs, "gemma4 variant, bidirectional image blocks + KV sharing")
     # the block mask matters: a causal-only pass would differ
     causal = reference_logits(ref, **{k: v for k, v in inputs.items() if k != "mm_token_type_ids"})
     assert (causal - theirs).abs().max().item() > 1e-3

@@ -68,6 +68,7 @@ def test_copy_page_copies_every_owning_layer():
     a, b = pool.allocate(2)
     pool.k[0][a] = 1.0
     pool.v[1][a] = 2.0
+    pool.k[0][b] = 0.0
     pool.copy_page(a, b, rows=2)
     assert torch.all(pool.k[0][b, :2] == 1) and torch.all(pool.k[0][b, 2:] == 0)
     assert torch.all(pool.v[1][b, :2] == 2)

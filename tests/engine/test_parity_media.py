@@ -19,7 +19,7 @@ import torch
 
 from engine import Sampler, SyncContext, max_tokens
 from media import Audio, Image, Video
-from tests.engine.conftest import ATOL, reference_greedy, reference_logits
+from tests.engine.conftest import assert_logits_close, reference_greedy, reference_logits
 
 
 def _without_video(processor_class):
@@ -86,14 +86,11 @@ def _pil(data: bytes):
 IMG_A, IMG_B = _png(64, 64, 1), _png(80, 48, 2)
 
 
-def _compare(ctx: SyncContext, ref, inputs) -> float:
+def _compare(ctx: SyncContext, ref, inputs, label: str) -> float:
     assert ctx.token_ids == inputs["input_ids"][0].tolist()
     ours = ctx.flush(return_logits=True)
     theirs = reference_logits(ref, **inputs)
-    assert ours.shape == theirs.shape
-    diff = (ours - theirs).abs().max().item()
-    assert diff < ATOL, diff
-    return diff
+    return assert_logits_close(ours, theirs, label)
 
 
 def _greedy_matches(model, build, ref, inputs, n: int = 32) -> None:
@@ -121,7 +118,7 @@ def _qwen_image_prompt(qwen, qwen_processor, images: list[bytes], text: str):
 def test_qwen_image(qwen, qwen_ref, qwen_processor):
     build, inputs = _qwen_image_prompt(qwen, qwen_processor, [IMG_A], "Describe this image.")
     ctx = build()
-    _compare(ctx, qwen_ref, inputs)
+    _compare(ctx, qwen_ref, inputs, "qwen image")
     ctx.close()
     _greedy_matches(qwen, build, qwen_ref, inputs)
 
@@ -148,7 +145,7 @@ def test_qwen_multi_image_with_text_between(qwen, qwen_ref, qwen_processor):
     ctx = build()
     # M-RoPE: text after an image continues at anchor + position_span, not + row count
     assert ctx.position < len(ctx)
-    _compare(ctx, qwen_ref, inputs)
+    _compare(ctx, qwen_ref, inputs, "qwen multi image with text between")
     ctx.close()
     _greedy_matches(qwen, build, qwen_ref, inputs)
 
@@ -180,7 +177,7 @@ def test_qwen_video(qwen, qwen_ref, samples):
     assert marker in text
     expanded = text.replace(marker, qwen.detokenize(prepared.input_ids))
     assert ctx.token_ids == qwen.tokenizer.encode(expanded, add_special_tokens=False)
-    _compare(ctx, qwen_ref, inputs)
+    _compare(ctx, qwen_ref, inputs, "qwen video")
     ctx.close()
     _greedy_matches(qwen, build, qwen_ref, inputs)
 
@@ -205,7 +202,7 @@ def test_qwen_image_then_video_then_text(qwen, qwen_ref, samples):
         **img.inputs,
         **vid.inputs,
     }
-    _compare(ctx, qwen_ref, inputs)
+    _compare(ctx, qwen_ref, inputs, "qwen image then video then text")
     ctx.close()
 
 
@@ -230,7 +227,7 @@ def test_gemma_image(gemma, gemma_ref, gemma_processor):
 
     ctx = build()
     assert len(ctx) > gemma.hf.config.text_config.sliding_window
-    _compare(ctx, gemma_ref, inputs)
+    _compare(ctx, gemma_ref, inputs, "gemma image")
     ctx.close()
     _greedy_matches(gemma, build, gemma_ref, inputs)
 
@@ -260,7 +257,7 @@ def test_gemma_multi_image(gemma, gemma_ref, gemma_processor):
         return SyncContext(gemma).user(a, "and", b, "Same?").cue()
 
     ctx = build()
-    _compare(ctx, gemma_ref, inputs)
+    _compare(ctx, gemma_ref, inputs, "gemma multi image")
     ctx.close()
     _greedy_matches(gemma, build, gemma_ref, inputs)
 
@@ -276,7 +273,7 @@ def test_gemma_audio(gemma, gemma_ref, gemma_processor, samples):
         return SyncContext(gemma).user(Audio.from_path(path), "Transcribe.").cue()
 
     ctx = build()
-    _compare(ctx, gemma_ref, inputs)
+    _compare(ctx, gemma_ref, inputs, "gemma audio")
     ctx.close()
     _greedy_matches(gemma, build, gemma_ref, inputs)
 
@@ -300,7 +297,7 @@ def test_gemma_video(gemma, gemma_ref, samples):
     assert ctx.token_ids == gemma.tokenizer.encode(expanded, add_special_tokens=False)
     inputs = _video_inputs(gemma, ctx, prepared)
     inputs.setdefault("num_frames_per_video", torch.tensor([prepared.inputs["pixel_values_videos"].shape[0]]))
-    _compare(ctx, gemma_ref, inputs)
+    _compare(ctx, gemma_ref, inputs, "gemma video")
     ctx.close()
     _greedy_matches(gemma, build, gemma_ref, inputs)
 
@@ -338,7 +335,7 @@ def test_media_span_is_prefilled_whole_even_when_chunks_are_small(qwen, qwen_ref
     qwen.max_prefill_rows = 5
     try:
         ctx = build()
-        _compare(ctx, qwen_ref, inputs)
+        _compare(ctx, qwen_ref, inputs, "media span is prefilled whole even when chunks are small")
         ctx.close()
     finally:
         qwen.max_prefill_rows = saved
@@ -357,3 +354,40 @@ def test_media_turn_then_fork(gemma):
     )
     for c in (base, child, alone):
         c.close()
+
+
+def test_concurrent_contexts_with_one_image_encode_it_once(qwen):
+    import asyncio
+
+    from engine import Context
+
+    data = _png(64, 64, 1234)  # an image no other test uses: not in the encoder cache yet
+    calls = qwen.encoder.tower_calls
+
+    async def go():
+        ctxs = [Context(qwen).user(Image.from_bytes(data), f"Question {i}?").cue() for i in range(3)]
+        outs = await asyncio.gather(*(c.generate(Sampler.greedy(), max_tokens(4)) for c in ctxs))
+        for c in ctxs:
+            c.close()
+        return [o.tokens for o in outs]
+
+    outs = asyncio.run(go())
+    assert qwen.encoder.tower_calls == calls + 1
+    alone = SyncContext(qwen).user(Image.from_bytes(data), "Question 1?").cue()
+    assert alone.generate(Sampler.greedy(), max_tokens(4)).tokens == outs[1]
+    alone.close()
+
+
+def test_caption(qwen, tmp_path):
+    from engine import caption
+    from engine.caption import caption_many
+
+    path = tmp_path / "a.png"
+    path.write_bytes(IMG_A)
+    a = caption(qwen, path, prompt="What is it?", max_tokens=5)
+    b = caption(qwen, IMG_A, prompt="What is it?", max_tokens=5)
+    ctx = SyncContext(qwen).user(Image.from_bytes(IMG_A), "What is it?").cue()
+    expected = ctx.generate(Sampler.greedy(), max_tokens(5)).text
+    ctx.close()
+    assert a == b == expected
+    assert caption_many(qwen, [IMG_A, path], prompt="What is it?", max_tokens=5) == [a, a]
