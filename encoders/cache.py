@@ -13,6 +13,14 @@ from dataclasses import dataclass
 from encoders.prepared import Encoded, Prepared
 
 
+def prepared_nbytes(prepared: Prepared) -> int:
+    """Bytes held by a Prepared's tensors (model inputs and positions)."""
+    n = prepared.positions.numel() * prepared.positions.element_size()
+    for t in prepared.inputs.values():
+        n += t.numel() * t.element_size()
+    return n
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -23,18 +31,20 @@ class CacheStats:
 
 
 class EncoderCache:
-    def __init__(self, byte_budget: int = 512 * 1024 * 1024):
-        if byte_budget < 0:
-            raise ValueError(f"byte_budget must be >= 0, got {byte_budget}")
+    def __init__(self, byte_budget: int = 512 * 1024 * 1024, prepared_byte_budget: int = 1024 * 1024 * 1024):
+        if byte_budget < 0 or prepared_byte_budget < 0:
+            raise ValueError(f"byte budgets must be >= 0, got {byte_budget}, {prepared_byte_budget}")
         self.byte_budget = byte_budget
+        self.prepared_byte_budget = prepared_byte_budget
+        self._prepared_bytes = 0
         self._encoded: OrderedDict[str, Encoded] = OrderedDict()
         self._prepared: OrderedDict[str, Prepared] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.stats = CacheStats()
 
-    # Prepared objects are small next to embeddings (pixel tensors aside); they are kept
-    # under the key of the media + parameters that made them so a hit skips prepare().
+    # A Prepared holds its model inputs (a 12 MP photo makes ~290 MB of float32 patches), so
+    # prepared entries get their own byte budget and LRU order, apart from embeddings.
     def get_prepared(self, key: str) -> Prepared | None:
         with self._lock:
             p = self._prepared.get(key)
@@ -42,12 +52,19 @@ class EncoderCache:
                 self._prepared.move_to_end(key)
             return p
 
-    def put_prepared(self, key: str, prepared: Prepared, max_entries: int = 4096) -> None:
+    def put_prepared(self, key: str, prepared: Prepared) -> None:
+        size = prepared_nbytes(prepared)
         with self._lock:
+            if size > self.prepared_byte_budget:
+                return
+            old = self._prepared.pop(key, None)
+            if old is not None:
+                self._prepared_bytes -= prepared_nbytes(old)
             self._prepared[key] = prepared
-            self._prepared.move_to_end(key)
-            while len(self._prepared) > max_entries:
-                self._prepared.popitem(last=False)
+            self._prepared_bytes += size
+            while self._prepared_bytes > self.prepared_byte_budget:
+                _, evicted = self._prepared.popitem(last=False)
+                self._prepared_bytes -= prepared_nbytes(evicted)
 
     def get(self, key: str) -> Encoded | None:
         with self._lock:
@@ -81,6 +98,7 @@ class EncoderCache:
             self._encoded.clear()
             self._prepared.clear()
             self._bytes = 0
+            self._prepared_bytes = 0
             self.stats = CacheStats()
 
     def __len__(self) -> int:

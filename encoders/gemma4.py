@@ -52,7 +52,6 @@ from encoders.gemma4_vision import (
     aspect_ratio_preserving_size,
     check_budget,
     patchify,
-    resize_exact,
     resize_frames_like_torchvision,
     sample_frame_indices,
     timestamp_text,
@@ -381,7 +380,7 @@ class Gemma4Encoder(MediaEncoder):
         if (tw, th) == (width, height):
             pixels = image.to_numpy()
         else:
-            pixels = np.asarray(resize_exact(image.to_pil(), tw, th, s.resample))
+            pixels = np.asarray(image.to_pil().resize((tw, th), resample=s.resample))
         values, positions, real = patchify(
             pixels[None], s.patch_size, self._image_table, s.max_patches(budget)
         )

@@ -103,9 +103,10 @@ class AudioSettings:
             v = cfg.get(key)
             if v is None:
                 return None
-            if len(v) != feature_size:
+            flat = np.asarray(v, dtype=np.float64).reshape(-1)  # saved as (1, 1, F) by to_dict
+            if flat.size != feature_size:
                 raise UnsupportedModelError(f"feature extractor `{key}` must have {feature_size} values")
-            return tuple(float(x) for x in v)
+            return tuple(float(x) for x in flat)
 
         if cfg.get("padding_side", "right") != "right":
             raise UnsupportedModelError("only right-padded Gemma-4 audio feature extraction is supported")

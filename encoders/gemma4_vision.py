@@ -7,7 +7,9 @@ Images (``Gemma4ImageProcessorPil``):
    16x16 patches (:func:`aspect_ratio_preserving_size`, the reference's rule including
    its special cases for extreme aspect ratios);
 2. a Pillow resize to that size with the configured filter (bicubic) -- the same call on
-   the same uint8 RGB pixels, so the same pixels (:func:`resize_exact`);
+   the same uint8 RGB pixels, so the same pixels. (Not split over threads: Pillow 13
+   picks the order of its two separable passes by the sizes, so bands computed pass by
+   pass would not reproduce it for every shape.)
 3. ``uint8 -> float64 * rescale_factor -> float32`` (and the optional normalisation), done
    with a 256-entry lookup table that holds exactly those float32 values;
 4. 16x16 patches in (row, col, channel) order, position ids (x, y) per patch, both padded
@@ -25,14 +27,11 @@ path's table) and the same patch layout, padded to the per-frame budget (70 toke
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image as PILImage
 
 from encoders.errors import UnsupportedModelError
 from media.errors import InvalidRequestError
@@ -42,7 +41,6 @@ __all__ = [
     "VisionSettings",
     "aspect_ratio_preserving_size",
     "patchify",
-    "resize_exact",
     "resize_frames_like_torchvision",
     "sample_frame_indices",
     "timestamp_text",
@@ -206,69 +204,6 @@ def aspect_ratio_preserving_size(
 
 
 # --------------------------------------------------------------------------- resize
-
-# Above this many source pixels the two resize passes are split over worker threads.
-_THREADED_RESIZE_PIXELS = 2_000_000
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="gemma4-resize")
-    return _POOL
-
-
-def resize_exact(pil: PILImage.Image, width: int, height: int, resample: int) -> PILImage.Image:
-    """``pil.resize((width, height), resample)``, pixel for pixel, faster on large images.
-
-    Pillow resamples in two separable passes -- horizontal into a uint8 intermediate, then
-    vertical -- and each output row of the first pass depends on one source row only,
-    each output column of the second on one intermediate column only (the filter weights
-    depend on the sizes, not on the crop). So the horizontal pass is run on row bands and
-    the vertical pass on column bands, in parallel (Pillow releases the GIL while it
-    resamples), and the bands are pasted together: the same bytes as one ``resize``.
-    Box, nearest and Lanczos go the same way; only modes Pillow resamples directly (RGB,
-    L) take the threaded path.
-    """
-    src_w, src_h = pil.size
-    workers = _WORKERS
-    if (
-        src_w * src_h < _THREADED_RESIZE_PIXELS
-        or workers < 2
-        or pil.mode not in ("RGB", "L")
-        or resample == PILImage.Resampling.NEAREST
-    ):
-        return pil.resize((width, height), resample=resample)
-    inter = pil
-    if width != src_w:
-        bands = _bands(src_h, workers)
-        parts = list(
-            _pool().map(
-                lambda b: pil.crop((0, b[0], src_w, b[1])).resize((width, b[1] - b[0]), resample), bands
-            )
-        )
-        inter = PILImage.new(pil.mode, (width, src_h))
-        for (top, _), part in zip(bands, parts, strict=True):
-            inter.paste(part, (0, top))
-    if height == src_h:
-        return inter
-    bands = _bands(width, workers)
-    parts = list(
-        _pool().map(
-            lambda b: inter.crop((b[0], 0, b[1], src_h)).resize((b[1] - b[0], height), resample), bands
-        )
-    )
-    out = PILImage.new(pil.mode, (width, height))
-    for (left, _), part in zip(bands, parts, strict=True):
-        out.paste(part, (left, 0))
-    return out
-
-
-def _bands(length: int, n: int) -> list[tuple[int, int]]:
-    edges = np.linspace(0, length, n + 1).astype(int)
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
 
 
 def resize_frames_like_torchvision(

@@ -515,9 +515,10 @@ def _video_pixels(frames: torch.Tensor, s: VideoSettings) -> torch.Tensor:
         x = torch.cat((x, x[-1:].expand(pad, -1, -1, -1)), dim=0)
         n += pad
     gt, gh, gw = n // t, h // p, w // p
-    x = x.view(gt, t, c, gh // m, m, p, gw // m, m, p)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(gt * gh * gw, c * t * p * p)
+    x = x.view(gt, t, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    out = _alloc_float32(tuple(x.shape))
+    out.copy_(x)
+    return out.view(gt * gh * gw, c * t * p * p)
 
 
 # --------------------------------------------------------------------------- positions

@@ -61,3 +61,37 @@ def test_registry_missing_or_bad_config(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UnsupportedModelError, match="architectures"):
         encoder_for(tmp_path)
+
+
+def _prepared(rows: int, key: str):
+    from encoders import Prepared
+
+    return Prepared(
+        kind="image",
+        family="test",
+        input_ids=(1,) * rows,
+        placeholder_id=1,
+        token_count=rows,
+        grid=(1, 1, rows),
+        positions=torch.zeros(1, rows, dtype=torch.long),
+        position_span=rows,
+        prefix_tokens=(),
+        suffix_tokens=(),
+        inputs={"pixel_values": torch.zeros(rows, 100)},
+        content_hash=key,
+        cache_key=key,
+    )
+
+
+def test_prepared_entries_are_bounded_by_bytes():
+    from encoders.cache import prepared_nbytes
+
+    one = prepared_nbytes(_prepared(10, "a"))
+    assert one == 10 * 100 * 4 + 10 * 8
+    cache = EncoderCache(prepared_byte_budget=2 * one)
+    for k in "abc":
+        cache.put_prepared(k, _prepared(10, k))
+    assert cache.get_prepared("a") is None  # evicted, least recently used
+    assert cache.get_prepared("b") is not None and cache.get_prepared("c") is not None
+    cache.put_prepared("huge", _prepared(100, "huge"))  # bigger than the budget: not kept
+    assert cache.get_prepared("huge") is None and cache.get_prepared("b") is not None
