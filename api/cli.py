@@ -17,6 +17,13 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--fps", type=float, default=None, help="sample video at this rate instead (capped by --max-frames)")
     ins.add_argument("--json", action="store_true", help="one JSON object per line")
 
+    cap = sub.add_parser("caption", help="caption images with a model (tiny random models write meaningless words)")
+    cap.add_argument("files", nargs="+", help="image files")
+    cap.add_argument("--model", default="tiny", help="checkpoint directory or tiny model name (default: tiny)")
+    cap.add_argument("--prompt", default="Describe this image.")
+    cap.add_argument("--max-tokens", type=int, default=32)
+    cap.add_argument("--json", action="store_true", help="one JSON object per line")
+
     models = sub.add_parser("models", help="model checkpoints")
     msub = models.add_subparsers(dest="models_command", required=True)
     bt = msub.add_parser("build-tiny", help="build the tiny random-weight checkpoints (no downloads)")
@@ -44,6 +51,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
         except ValueError as e:  # MediaError subclasses (unsupported model, ...) are ValueErrors
+            print(f"pie-media: {e}", file=sys.stderr)
+            return 2
+    if args.command == "caption":
+        from api.caption_cmd import run_caption
+
+        if args.max_tokens < 1:
+            print("pie-media: --max-tokens must be >= 1", file=sys.stderr)
+            return 2
+        try:
+            return run_caption(
+                args.files, model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, as_json=args.json
+            )
+        except (FileNotFoundError, ValueError) as e:  # unknown model dir, unsupported architecture, ...
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
     if args.command == "models":

@@ -21,3 +21,12 @@ def resolve_model_dir(ref: str) -> Path:
             f"({', '.join(('tiny',) + TINY_MODELS)})"
         )
     return path
+
+
+def resolve_model_ref(ref: str) -> str | Path:
+    """What ``engine.Model.load`` takes: a tiny model's name as is, else a directory."""
+    from fixtures.tiny_models import TINY_MODELS
+
+    if ref in TINY_ALIASES or ref in TINY_MODELS:
+        return TINY_ALIASES.get(ref, ref)
+    return resolve_model_dir(ref)

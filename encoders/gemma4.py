@@ -127,6 +127,7 @@ class Gemma4Encoder(MediaEncoder):
         towers: dict[str, torch.nn.Module],
         device: str | torch.device,
         dtype: torch.dtype,
+        exact_audio: bool = True,
     ):
         super().__init__(name=name, fingerprint=fingerprint, cache=cache)
         self.config = config
@@ -154,7 +155,7 @@ class Gemma4Encoder(MediaEncoder):
         self.bidirectional_vision = text.get("use_bidirectional_attention") == "vision"
         self._image_table = image.pixel_table(video=False)
         self._video_table = video.pixel_table(video=True)
-        self._logmel = LogMel(audio) if audio is not None else None
+        self._logmel = LogMel(audio, exact=exact_audio) if audio is not None else None
         self._text_ids: dict[str, tuple[int, ...]] = {}
 
     # -- construction -------------------------------------------------------------------
@@ -169,6 +170,7 @@ class Gemma4Encoder(MediaEncoder):
         dtype: torch.dtype = torch.float32,
         towers: dict[str, torch.nn.Module] | None = None,
         load_weights: bool = True,
+        exact_audio: bool = True,
     ) -> Gemma4Encoder:
         """Read the processor configs and tokenizer from ``model_dir``; build the towers.
 
@@ -178,6 +180,9 @@ class Gemma4Encoder(MediaEncoder):
         ``Gemma4VisionModel`` / ``Gemma4AudioModel`` / ``Gemma4MultimodalEmbedder`` and only
         their weights are read from the checkpoint's safetensors. ``load_weights=False``
         defers that until the first ``encode`` (prepare-only users never pay for it).
+        ``exact_audio=False`` computes the log-mel filter bank and log in float32 (see
+        :class:`~encoders.gemma4_audio.LogMel`): faster, within float32 rounding of the
+        reference instead of bit-identical; it is part of the cache fingerprint.
         """
         if model_dir is None:
             raise UnsupportedModelError(
@@ -220,12 +225,13 @@ class Gemma4Encoder(MediaEncoder):
                 break
         enc = cls(
             name=model_dir.name,
-            fingerprint=model_fingerprint(model_dir, config),
+            fingerprint=model_fingerprint(model_dir, config) + ("" if exact_audio else "+f32mel"),
             cache=cache,
             config=config,
             image=image,
             video=video,
             audio=audio,
+            exact_audio=exact_audio,
             processor={k: v for k, v in blocks.items() if not isinstance(v, dict)},
             tokens=tokens,
             tokenizer=tokenizer,

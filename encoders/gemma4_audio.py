@@ -152,13 +152,20 @@ def audio_token_count(valid_frames: int) -> int:
 
 
 class LogMel:
-    """The log-mel spectrogram and frame mask of one clip, as the reference computes it."""
+    """The log-mel spectrogram and frame mask of one clip, as the reference computes it.
 
-    def __init__(self, s: AudioSettings):
+    ``exact=True`` (default): bit-identical to the reference (float64 filter bank and log,
+    as there). ``exact=False``: the filter bank product and the log in float32 -- about a
+    third less work; features differ from the reference by float32 rounding only (at most
+    ~5e-7 absolute on the test clips, whose values span about -7..3).
+    """
+
+    def __init__(self, s: AudioSettings, *, exact: bool = True):
         # The reference's own helpers define the window and the filter bank; computed once.
         from transformers.audio_utils import mel_filter_bank, window_function
 
         self.s = s
+        self.exact = exact
         self.window = window_function(s.frame_length).astype(np.float32)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the all-zero top filter, as the reference
@@ -174,6 +181,14 @@ class LogMel:
         self.mel_floor = np.array(s.mel_floor, dtype=np.float64)
         self.per_bin_mean = None if s.per_bin_mean is None else np.array(s.per_bin_mean).reshape(1, -1)
         self.per_bin_stddev = None if s.per_bin_stddev is None else np.array(s.per_bin_stddev).reshape(1, -1)
+        self._dtype = np.float64 if exact else np.float32
+        if not exact:
+            self.mel_filters = self.mel_filters.astype(np.float32)
+            self.mel_floor = np.array(s.mel_floor, dtype=np.float32)
+            if self.per_bin_mean is not None:
+                self.per_bin_mean = self.per_bin_mean.astype(np.float32)
+            if self.per_bin_stddev is not None:
+                self.per_bin_stddev = self.per_bin_stddev.astype(np.float32)
 
     def padded_length(self, num_samples: int) -> int:
         m = self.s.pad_to_multiple_of
@@ -218,8 +233,8 @@ class LogMel:
         # 3. + mel_floor, log, per-bin normalisation in place, cast to float32.
         # Steps 1 and 3 run on worker threads for long clips (numpy releases the GIL there;
         # rows are independent, so the split changes no bit).
-        magnitude = np.empty((valid, s.fft_length // 2 + 1), dtype=np.float64)
-        log_mel = np.empty((valid, s.feature_size), dtype=np.float64)
+        magnitude = np.empty((valid, s.fft_length // 2 + 1), dtype=self._dtype)
+        log_mel = np.empty((valid, s.feature_size), dtype=self._dtype)
         workers = min(_WORKERS, valid // _THREAD_MIN_ROWS)
         edges = [int(e) for e in np.linspace(0, valid, max(1, workers) + 1)]
         spans = list(zip(edges[:-1], edges[1:], strict=True))

@@ -49,3 +49,33 @@ def test_console_script_runs_as_a_process(samples):
     )
     assert out.returncode == 1
     assert "unsupported_format" in out.stdout
+
+
+def test_caption_batches_good_images_and_reports_bad_ones(samples, capsys):
+    files = [
+        samples / "images/photo_640x480.jpg",
+        samples / "hostile/image_truncated.jpg",
+        samples / "images/rgba.png",
+    ]
+    rc = main(["caption", "--json", "--max-tokens", "4", *map(str, files)])
+    assert rc == 1
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["file"] for r in recs] == [str(f) for f in files]
+    assert isinstance(recs[0]["caption"], str) and recs[0]["caption"]
+    assert recs[1]["error"]["code"] == "corrupt"
+    assert isinstance(recs[2]["caption"], str)
+
+
+def test_caption_matches_engine_directly(samples, capsys):
+    from engine import Model, caption
+
+    path = samples / "images/photo_640x480.jpg"
+    expected = caption(Model.load("tiny-qwen3-vl"), path, max_tokens=6)
+    assert main(["caption", "--json", "--max-tokens", "6", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["caption"] == expected
+
+
+def test_caption_unknown_model_is_a_clear_error(samples, capsys):
+    rc = main(["caption", "--model", "/no/such/dir", str(samples / "images/rgba.png")])
+    assert rc == 2
+    assert "neither a checkpoint directory" in capsys.readouterr().err

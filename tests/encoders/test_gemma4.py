@@ -392,6 +392,21 @@ def test_audio_features_match_reference(enc, ref, samples):
     assert enc.prepare(_clips(samples)["1s_16k"]).token_count == 25
 
 
+def test_audio_float32_mel_option(enc, ref, samples, folder):
+    """``exact_audio=False``: filter bank and log in float32, within float32 rounding of the
+    reference (values span about -7..3; observed max deviation ~5e-7), same masks and tokens,
+    and another cache fingerprint."""
+    processor, _ = ref
+    fast = encoder_for(folder, cache=EncoderCache(), towers=enc.towers, exact_audio=False)
+    assert fast.fingerprint != enc.fingerprint
+    for name, clip in _clips(samples).items():
+        p = fast.prepare(clip)
+        theirs = processor.feature_extractor([np.array(clip.mono_at(16_000))], return_tensors="pt")
+        torch.testing.assert_close(p.inputs["input_features"], theirs["input_features"], rtol=0, atol=2e-6)
+        assert torch.equal(p.inputs["input_features_mask"], theirs["input_features_mask"]), name
+        assert p.input_ids == enc.prepare(clip).input_ids
+
+
 def test_audio_over_30s_is_truncated_like_the_reference(enc, ref, samples):
     processor, _ = ref
     clip = Audio.from_path(samples / "audio" / "speechlike_35s_16k.wav")

@@ -1,0 +1,54 @@
+"""``pie-media caption IMAGE...``: caption images with a served model, batched.
+
+Images are decoded first (a bad file is reported with its typed error and the rest go
+on); the good ones are captioned concurrently so their decode steps share forward
+passes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from media import Image, MediaError
+
+
+def run_caption(
+    files: list[str],
+    *,
+    model: str = "tiny",
+    prompt: str = "Describe this image.",
+    max_tokens: int = 32,
+    as_json: bool = False,
+) -> int:
+    from api.model_ref import resolve_model_ref
+    from engine import Model, caption_many_async
+
+    loaded = Model.load(resolve_model_ref(model))
+    results: dict[str, dict[str, Any]] = {}
+    images: dict[str, Image] = {}
+    for f in files:
+        try:
+            images[f] = Image.from_path(f)
+        except MediaError as e:
+            results[f] = {"error": e.to_dict()}
+        except OSError as e:
+            results[f] = {"error": {"code": "not_found", "message": str(e)}}
+    if images:
+        texts = asyncio.run(
+            caption_many_async(loaded, list(images.values()), prompt=prompt, max_tokens=max_tokens)
+        )
+        for f, text in zip(images, texts, strict=True):
+            results[f] = {"caption": text}
+    for f in files:
+        r = results[f]
+        if as_json:
+            print(json.dumps({"file": f, **r}))
+        elif "error" in r:
+            print(f"{f}: ERROR {r['error']['code']}: {r['error']['message']}")
+        else:
+            print(f"{Path(f).name}: {r['caption']!r}")
+    sys.stdout.flush()
+    return 1 if any("error" in r for r in results.values()) else 0

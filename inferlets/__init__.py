@@ -1,0 +1,1 @@
+"""inferlets: the WIT world, wasmtime host and guest SDK (not built yet; see ARCHITECTURE.md)."""
