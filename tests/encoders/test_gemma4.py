@@ -71,6 +71,7 @@ def ref(folder):
         Gemma4Processor,
     )
 
+    verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # "channel dimension is ambiguous" for 1-px images
 
     class WithoutVideo(Gemma4Processor):
@@ -92,7 +93,8 @@ def ref(folder):
         audio_ms_per_token=settings["audio_ms_per_token"],
     )
     model = Gemma4ForConditionalGeneration.from_pretrained(folder).eval()
-    return processor, model
+    yield processor, model
+    transformers.logging.set_verbosity(verbosity)
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +125,10 @@ def _speechlike(seconds_or_samples: float | int, rate: int = 16_000, seed: int =
     return (0.2 * envelope * voice + 0.01 * rng.standard_normal(n)).astype(np.float32)
 
 
-def _check_image(enc, image_processor, image: Image, budget: int | None) -> None:
+def _check_image(enc, processor, image: Image, budget: int | None) -> None:
     kw = {} if budget is None else {"max_soft_tokens": budget}
     ours = enc.prepare(image, **kw)
-    theirs = image_processor(image.to_pil(), return_tensors="pt", **kw)
+    theirs = processor.image_processor(image.to_pil(), return_tensors="pt", **kw)
     assert torch.equal(ours.inputs["pixel_values"], theirs["pixel_values"])
     assert torch.equal(ours.inputs["image_position_ids"], theirs["image_position_ids"])
     assert ours.inputs["pixel_values"].dtype == theirs["pixel_values"].dtype == torch.float32
@@ -136,6 +138,9 @@ def _check_image(enc, image_processor, image: Image, budget: int | None) -> None
     assert gh * gw == ours.token_count
     # planning without pixels agrees with the processor's own count formula
     assert enc.image_token_count(image.width, image.height, budget) == ours.token_count
+    if budget is None:
+        counts = processor._get_num_multimodal_tokens(image_sizes=[[image.height, image.width]])
+        assert counts.num_image_tokens == [ours.token_count]
 
 
 def _runs(ids: list[int], start_id: int, end_id: int) -> list[list[int]]:
@@ -222,7 +227,32 @@ def test_image_every_sample_file(enc, ref, samples):
     names = sorted(p.name for p in (samples / "images").iterdir() if p.is_file())
     assert len(names) >= 20
     for name in names:
-        _check_image(enc, processor.image_processor, _image(samples, name), None)
+        _check_image(enc, processor, _image(samples, name), None)
+
+
+# Source modes where media.Image's RGB conversion is deliberately not ``load_image``'s
+# ``convert("RGB")``: alpha is composited over white (as transformers' own ``convert_to_rgb``
+# does, where load_image drops it), 16-bit keeps the high byte, float images are scaled.
+_MEDIA_POLICY_MODES = {"RGBA", "LA", "I;16", "F"}
+
+
+def test_image_files_end_to_end(enc, ref, samples):
+    """Files given to the reference the way HF users do (``load_image``: Pillow decode, EXIF
+    transpose, RGB) prepare to the same tensors as media.Image's decode + ours: RGB, grey,
+    bilevel, palette, CMYK, GIF, WebP, AVIF, BMP, TIFF, ICO ..."""
+    from transformers.image_utils import load_image
+
+    processor, _ = ref
+    checked = set()
+    for path in sorted((samples / "images").iterdir()):
+        image = Image.from_path(path)
+        if image.source_mode in _MEDIA_POLICY_MODES:
+            continue
+        ours = enc.prepare(image, max_soft_tokens=70)
+        theirs = processor.image_processor(load_image(str(path)), max_soft_tokens=70, return_tensors="pt")
+        assert torch.equal(ours.inputs["pixel_values"], theirs["pixel_values"]), path.name
+        checked.add(image.source_mode)
+    assert {"RGB", "L", "1", "P", "CMYK"} <= checked
 
 
 @pytest.mark.parametrize("budget", SUPPORTED_SOFT_TOKENS)
@@ -233,14 +263,14 @@ def test_image_every_sample_file(enc, ref, samples):
 )
 def test_image_sizes_and_budgets(enc, ref, size, budget):
     processor, _ = ref
-    _check_image(enc, processor.image_processor, _random_image(*size, seed=size[0] * 7 + size[1]), budget)
+    _check_image(enc, processor, _random_image(*size, seed=size[0] * 7 + size[1]), budget)
 
 
 @pytest.mark.parametrize("budget", SUPPORTED_SOFT_TOKENS)
 def test_large_photo_every_budget(enc, ref, samples, budget):
     processor, _ = ref
     photo = _image(samples, "photo_4032x3024.jpg")
-    _check_image(enc, processor.image_processor, photo, budget)
+    _check_image(enc, processor, photo, budget)
     enc.cache.clear()
 
 
