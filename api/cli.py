@@ -12,14 +12,22 @@ def _parser() -> argparse.ArgumentParser:
 
     ins = sub.add_parser("inspect", help="show what the media layer (and a model) makes of files")
     ins.add_argument("files", nargs="+", help="image, audio or video files")
-    ins.add_argument("--model", help="checkpoint directory or tiny model name (tiny, tiny-qwen3-vl, tiny-gemma4)")
+    ins.add_argument(
+        "--model", help="checkpoint directory or tiny model name (tiny, tiny-qwen3-vl, tiny-gemma4)"
+    )
     ins.add_argument("--max-frames", type=int, default=8, help="video frames to sample (default 8)")
-    ins.add_argument("--fps", type=float, default=None, help="sample video at this rate instead (capped by --max-frames)")
+    ins.add_argument(
+        "--fps", type=float, default=None, help="sample video at this rate instead (capped by --max-frames)"
+    )
     ins.add_argument("--json", action="store_true", help="one JSON object per line")
 
-    cap = sub.add_parser("caption", help="caption images with a model (tiny random models write meaningless words)")
+    cap = sub.add_parser(
+        "caption", help="caption images with a model (tiny random models write meaningless words)"
+    )
     cap.add_argument("files", nargs="+", help="image files")
-    cap.add_argument("--model", default="tiny", help="checkpoint directory or tiny model name (default: tiny)")
+    cap.add_argument(
+        "--model", default="tiny", help="checkpoint directory or tiny model name (default: tiny)"
+    )
     cap.add_argument("--prompt", default="Describe this image.")
     cap.add_argument("--max-tokens", type=int, default=32)
     cap.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -46,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             print("pie-media: --fps must be > 0", file=sys.stderr)
             return 2
         try:
-            return run_inspect(args.files, model=args.model, max_frames=args.max_frames, fps=args.fps, as_json=args.json)
+            return run_inspect(
+                args.files, model=args.model, max_frames=args.max_frames, fps=args.fps, as_json=args.json
+            )
         except FileNotFoundError as e:
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
@@ -61,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             return run_caption(
-                args.files, model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, as_json=args.json
+                args.files,
+                model=args.model,
+                prompt=args.prompt,
+                max_tokens=args.max_tokens,
+                as_json=args.json,
             )
         except (FileNotFoundError, ValueError) as e:  # unknown model dir, unsupported architecture, ...
             print(f"pie-media: {e}", file=sys.stderr)

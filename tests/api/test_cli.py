@@ -27,7 +27,9 @@ def test_inspect_reports_each_kind_as_json(samples, capsys):
 
 
 def test_inspect_typed_error_and_nonzero_exit(samples, capsys):
-    rc = main(["inspect", "--json", str(samples / "images/rgba.png"), str(samples / "hostile/image_truncated.jpg")])
+    rc = main(
+        ["inspect", "--json", str(samples / "images/rgba.png"), str(samples / "hostile/image_truncated.jpg")]
+    )
     assert rc == 1
     ok, bad = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert ok["kind"] == "image"
