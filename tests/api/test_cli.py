@@ -81,3 +81,16 @@ def test_caption_unknown_model_is_a_clear_error(samples, capsys):
     rc = main(["caption", "--model", "/no/such/dir", str(samples / "images/rgba.png")])
     assert rc == 2
     assert "neither a checkpoint directory" in capsys.readouterr().err
+
+
+def test_models_build_tiny_into_a_folder(tmp_path, capsys):
+    import json as _json
+
+    assert main(["models", "build-tiny", "--out", str(tmp_path)]) == 0
+    lines = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
+    assert set(lines) == {"tiny-qwen3-vl", "tiny-gemma4", "tiny-csm"}
+    for name, path in lines.items():
+        cfg = _json.loads((tmp_path / name / "config.json").read_text())
+        assert cfg["architectures"], name
+        assert (tmp_path / name / "model.safetensors").is_file()
+        assert str(tmp_path) in path
