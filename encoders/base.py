@@ -14,7 +14,7 @@ import torch
 from encoders.cache import EncoderCache
 from encoders.errors import UnsupportedMediaKindError
 from encoders.prepared import Encoded, MediaKind, Prepared
-from media import Audio, Image, Video
+from media import Audio, Image, InvalidRequestError, Video
 
 
 def model_fingerprint(model_dir: str | Path | None, config: dict[str, Any]) -> str:
@@ -94,6 +94,31 @@ class MediaEncoder(ABC):
                 self.cache.put(batch[i].cache_key, enc)
                 out[i] = enc
         return out  # type: ignore[return-value]
+
+    def describe(self, prepared: Prepared) -> dict[str, Any]:
+        """A JSON-ready summary of a Prepared (``pie-media inspect``, the API)."""
+        out: dict[str, Any] = {
+            "kind": prepared.kind,
+            "family": prepared.family,
+            "token_count": prepared.token_count,
+            "grid": list(prepared.grid),
+            "num_rows": prepared.num_rows,
+            "position_span": prepared.position_span,
+            "inputs": {k: list(v.shape) for k, v in prepared.inputs.items()},
+        }
+        if prepared.timestamps is not None:
+            out["timestamps"] = list(prepared.timestamps)
+        out.update({k: v for k, v in prepared.meta.items() if k != "params"})
+        return out
+
+    def _check_params(self, params: dict[str, Any], allowed: set[str] | frozenset[str], kind: str) -> None:
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown {kind} parameter(s) for {self.family} ({self.name}): {', '.join(unknown)}; "
+                f"accepted: {', '.join(sorted(allowed))}",
+                kind=kind,
+            )
 
     def cache_key(self, content_hash: str, kind: str, params: dict[str, Any]) -> str:
         p = json.dumps(params, sort_keys=True, default=str)

@@ -33,7 +33,6 @@ Reference (transformers 5.23, ``models/gemma4``), read top to bottom:
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 
 from encoders.base import MediaEncoder, model_fingerprint
 from encoders.cache import EncoderCache
+from encoders.checkpoint_files import load_tokenizer, read_json, weight_files
 from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
 from encoders.gemma4_audio import AudioSettings, LogMel, audio_token_count, valid_frame_count
 from encoders.gemma4_vision import (
@@ -210,7 +210,7 @@ class Gemma4Encoder(MediaEncoder):
         audio = None
         if config.get("audio_config") is not None:
             audio = AudioSettings.from_dict(blocks.get("feature_extractor") or {})
-        tokenizer = _load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir, required=False)
         tokens = _special_tokens(config, tokenizer)
         if audio is not None and None in (tokens.boa, tokens.eoa, tokens.audio):
             raise UnsupportedModelError(f"{model_dir.name} has an audio tower but no audio token ids")
@@ -291,22 +291,6 @@ class Gemma4Encoder(MediaEncoder):
         )
         return audio_token_count(valid_frame_count(min(n, s.max_length), s))
 
-    def describe(self, prepared: Prepared) -> dict[str, Any]:
-        """A JSON-ready summary for ``pie-media inspect``."""
-        out: dict[str, Any] = {
-            "kind": prepared.kind,
-            "family": prepared.family,
-            "token_count": prepared.token_count,
-            "grid": list(prepared.grid),
-            "num_rows": prepared.num_rows,
-            "position_span": prepared.position_span,
-            "inputs": {k: list(v.shape) for k, v in prepared.inputs.items()},
-        }
-        if prepared.timestamps is not None:
-            out["timestamps"] = list(prepared.timestamps)
-        out.update({k: v for k, v in prepared.meta.items() if k != "params"})
-        return out
-
     # -- prepare ------------------------------------------------------------------------
     def _prepare(self, kind: MediaKind, media: Any, cache_key: str, **params: Any) -> Prepared:
         if kind == "image":
@@ -314,15 +298,6 @@ class Gemma4Encoder(MediaEncoder):
         if kind == "video":
             return self._prepare_video(media, cache_key, params)
         return self._prepare_audio(media, cache_key, params)
-
-    @staticmethod
-    def _check_params(params: dict[str, Any], allowed: frozenset[str], kind: str) -> None:
-        unknown = sorted(set(params) - allowed)
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown {kind} parameter(s) {', '.join(unknown)} for Gemma-4; accepted: {', '.join(sorted(allowed))}",
-                kind=kind,
-            )
 
     def _span(
         self,
@@ -672,13 +647,6 @@ def _vision_batches(tokens: list[int], k2: int) -> list[list[int]]:
 # --------------------------------------------------------------------------- checkpoint files
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UnsupportedModelError(f"cannot read {path}: {e}") from e
-
-
 def _read_processor_configs(model_dir: Path) -> dict[str, Any]:
     """The processor settings as ``Gemma4Processor.from_pretrained`` finds them: the nested
     blocks of ``processor_config.json`` (``image_processor``, ``feature_extractor``,
@@ -686,28 +654,16 @@ def _read_processor_configs(model_dir: Path) -> dict[str, Any]:
     ``preprocessor_config.json`` / ``video_preprocessor_config.json`` files."""
     out: dict[str, Any] = {}
     if (model_dir / "processor_config.json").is_file():
-        out.update(_read_json(model_dir / "processor_config.json"))
+        out.update(read_json(model_dir / "processor_config.json"))
     if (model_dir / "preprocessor_config.json").is_file():
-        flat = _read_json(model_dir / "preprocessor_config.json")
+        flat = read_json(model_dir / "preprocessor_config.json")
         if "feature_extractor_type" in flat and "image_processor_type" not in flat:
             out.setdefault("feature_extractor", flat)
         else:
             out.setdefault("image_processor", flat)
     if (model_dir / "video_preprocessor_config.json").is_file():
-        out.setdefault("video_processor", _read_json(model_dir / "video_preprocessor_config.json"))
+        out.setdefault("video_processor", read_json(model_dir / "video_preprocessor_config.json"))
     return out
-
-
-def _load_tokenizer(model_dir: Path) -> Any:
-    from tokenizers import Tokenizer
-
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        return None  # images and audio need no tokenizer; video (timestamps) does
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises its own Exception type
-        raise UnsupportedModelError(f"cannot load {path}: {e}") from e
 
 
 def _special_tokens(config: dict[str, Any], tokenizer: Any) -> SpecialTokens:
@@ -764,7 +720,7 @@ def _build_towers(
     wanted = {n: _PREFIXES[n] for n in names}
     all_prefixes = tuple(p for n in names for p in wanted[n])
     state: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
-    for f in _weight_files(model_dir, all_prefixes):
+    for f in weight_files(model_dir, all_prefixes):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 for n, prefixes in wanted.items():
@@ -794,15 +750,3 @@ def _build_towers(
             )
         modules[n] = module.to(device=device, dtype=dtype).eval()
     return modules
-
-
-def _weight_files(model_dir: Path, prefixes: tuple[str, ...]) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
-        names = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
-    return files

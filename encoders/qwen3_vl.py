@@ -36,8 +36,6 @@ table as fallback).
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import mmap
 import threading
@@ -52,6 +50,7 @@ from PIL import Image as PILImage
 
 from encoders.base import MediaEncoder, model_fingerprint
 from encoders.cache import EncoderCache
+from encoders.checkpoint_files import load_tokenizer, read_json, weight_files
 from encoders.errors import UnsupportedModelError
 from encoders.prepared import Encoded, MediaKind, Prepared
 from media import Image, Video
@@ -627,7 +626,7 @@ class Qwen3VLEncoder(MediaEncoder):
                     f"{what} processor patch/temporal/merge sizes "
                     f"{(s.patch_size, s.temporal_patch_size, s.merge_size)} disagree with the vision config {expected}"
                 )
-        tokenizer = _load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         tokens = _special_tokens(config, tokenizer)
         if tower is not None:
             param = next(tower.parameters(), None)
@@ -676,22 +675,6 @@ class Qwen3VLEncoder(MediaEncoder):
         unit = self.image_settings.patch_size * self.image_settings.merge_size
         return 1, h // unit, w // unit
 
-    def describe(self, prepared: Prepared) -> dict[str, Any]:
-        """A JSON-ready summary for ``pie-media inspect``."""
-        out: dict[str, Any] = {
-            "kind": prepared.kind,
-            "family": prepared.family,
-            "token_count": prepared.token_count,
-            "grid": list(prepared.grid),
-            "num_rows": prepared.num_rows,
-            "position_span": prepared.position_span,
-            "inputs": {k: list(v.shape) for k, v in prepared.inputs.items()},
-        }
-        if prepared.timestamps is not None:
-            out["timestamps"] = list(prepared.timestamps)
-        out.update({k: v for k, v in prepared.meta.items() if k != "params"})
-        return out
-
     # -- prepare ------------------------------------------------------------------------
     def _prepare(self, kind: MediaKind, media: Any, cache_key: str, **params: Any) -> Prepared:
         if kind == "image":
@@ -705,15 +688,6 @@ class Qwen3VLEncoder(MediaEncoder):
         # No ordering check: with max < min the reference's smart_resize takes the
         # "too large" branch first, and so do we.
         return params.get("min_pixels") or lo, params.get("max_pixels") or hi
-
-    @staticmethod
-    def _check_params(params: dict[str, Any], allowed: set[str], kind: str) -> None:
-        unknown = sorted(set(params) - allowed)
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown {kind} parameter(s) for Qwen3-VL: {', '.join(unknown)}; accepted: {', '.join(sorted(allowed))}",
-                kind=kind,
-            )
 
     def _prepare_image(self, image: Image, cache_key: str, params: dict[str, Any]) -> Prepared:
         self._check_params(params, {"min_pixels", "max_pixels"}, "image")
@@ -915,22 +889,15 @@ def _positive(params: dict[str, Any], key: str, *, integer: bool, kind: str = "v
 # --------------------------------------------------------------------------- checkpoint files
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UnsupportedModelError(f"cannot read {path}: {e}") from e
-
-
 def _read_processor_configs(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(image processor config, video processor config or None) from the files the
     reference's ``from_pretrained`` reads: ``preprocessor_config.json`` and
     ``video_preprocessor_config.json``, or the nested sections of ``processor_config.json``."""
     nested: dict[str, Any] = {}
     if (model_dir / "processor_config.json").is_file():
-        nested = _read_json(model_dir / "processor_config.json")
+        nested = read_json(model_dir / "processor_config.json")
     if (model_dir / "preprocessor_config.json").is_file():
-        image = _read_json(model_dir / "preprocessor_config.json")
+        image = read_json(model_dir / "preprocessor_config.json")
     elif isinstance(nested.get("image_processor"), dict):
         image = nested["image_processor"]
     else:
@@ -938,7 +905,7 @@ def _read_processor_configs(model_dir: Path) -> tuple[dict[str, Any], dict[str, 
             f"{model_dir} has no preprocessor_config.json (the Qwen3-VL image processor)"
         )
     if (model_dir / "video_preprocessor_config.json").is_file():
-        video: dict[str, Any] | None = _read_json(model_dir / "video_preprocessor_config.json")
+        video: dict[str, Any] | None = read_json(model_dir / "video_preprocessor_config.json")
     elif isinstance(nested.get("video_processor"), dict):
         video = nested["video_processor"]
     else:
@@ -946,15 +913,6 @@ def _read_processor_configs(model_dir: Path) -> tuple[dict[str, Any], dict[str, 
     return image, video
 
 
-def _load_tokenizer(model_dir: Path) -> Any:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise UnsupportedModelError(f"{model_dir} has no tokenizer.json")
-    st = path.stat()
-    return _tokenizer_from_file(str(path.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=8)
 def _tokenizer_from_file(path: str, mtime_ns: int, size: int) -> Any:
     """Parsing a real Qwen tokenizer.json takes ~0.5 s; encoders of one checkpoint share it
     (``tokenizers.Tokenizer.encode`` is safe to call from several threads)."""
@@ -1003,7 +961,7 @@ def _build_tower(model_dir: Path | None, config: dict[str, Any], device: torch.d
     if model_dir is None:
         raise UnsupportedModelError("no checkpoint directory to load the vision weights from")
     cfg = Qwen3VLConfig.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
-    files = _weight_files(model_dir)
+    files = weight_files(model_dir, _VISUAL_PREFIXES)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
@@ -1023,15 +981,3 @@ def _build_tower(model_dir: Path | None, config: dict[str, Any], device: torch.d
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     return tower.to(device=device, dtype=dtype).eval()
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
-        names = sorted({f for k, f in weight_map.items() if k.startswith(_VISUAL_PREFIXES)})
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
-    return files
