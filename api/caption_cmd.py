@@ -1,8 +1,12 @@
-"""``pie-media caption IMAGE...``: caption images with a served model, batched.
+"""``pie-media caption IMAGE_OR_DIR...``: caption images with a served model, batched.
 
-Images are decoded first (a bad file is reported with its typed error and the rest go
-on); the good ones are captioned concurrently so their decode steps share forward
-passes."""
+Directories are searched recursively (sorted). Images are decoded first (a bad file is
+reported with its typed error and the rest go on); the good ones are captioned
+concurrently so their decode steps share forward passes.
+
+With ``--out captions.jsonl`` it runs as a resumable batch job (``api.jobs``): at most
+``--concurrency`` captions in flight, a progress bar on stderr, one fsync'ed record per
+file appended as it completes, and a rerun skips what is already recorded."""
 
 from __future__ import annotations
 
@@ -22,11 +26,32 @@ def run_caption(
     prompt: str = "Describe this image.",
     max_tokens: int = 32,
     as_json: bool = False,
+    out: str | None = None,
+    concurrency: int = 8,
+    progress: bool = True,
 ) -> int:
+    from api.jobs import expand_paths, run_caption_job
     from api.model_ref import resolve_model_ref
     from engine import Model, caption_many_async
 
     loaded = Model.load(resolve_model_ref(model))
+    if out is not None:
+        s = run_caption_job(
+            files,
+            out,
+            model=loaded,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            concurrency=concurrency,
+            progress=progress,
+        )
+        print(
+            f"{out}: {s.captioned} captioned, {s.reused} reused, {s.skipped} already done, "
+            f"{s.errors} errors of {s.total} files in {s.elapsed_s:.1f}s",
+            file=sys.stderr,
+        )
+        return 1 if s.errors or s.earlier_errors else 0
+    files = [str(f) for f in expand_paths(files)]
     results: dict[str, dict[str, Any]] = {}
     images: dict[str, Image] = {}
     for f in files:

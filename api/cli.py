@@ -24,13 +24,33 @@ def _parser() -> argparse.ArgumentParser:
     cap = sub.add_parser(
         "caption", help="caption images with a model (tiny random models write meaningless words)"
     )
-    cap.add_argument("files", nargs="+", help="image files")
+    cap.add_argument("files", nargs="+", help="image files or directories (searched recursively)")
     cap.add_argument(
         "--model", default="tiny", help="checkpoint directory or tiny model name (default: tiny)"
     )
     cap.add_argument("--prompt", default="Describe this image.")
     cap.add_argument("--max-tokens", type=int, default=32)
     cap.add_argument("--json", action="store_true", help="one JSON object per line")
+    cap.add_argument(
+        "--out",
+        default=None,
+        help="batch job: append one JSON record per file to this JSONL (resumable: a rerun "
+        "skips files already recorded); progress goes to stderr",
+    )
+    cap.add_argument(
+        "--concurrency", type=int, default=8, help="captions in flight at once with --out (default 8)"
+    )
+    cap.add_argument("--no-progress", action="store_true", help="no progress bar with --out")
+
+    sp = sub.add_parser("speak", help="text to speech with a CSM model (tiny random weights make noise)")
+    sp.add_argument("text")
+    sp.add_argument("-o", "--out", required=True, help="output file (.wav .flac .mp3 .opus .ogg .pcm)")
+    sp.add_argument("--model", default="tiny-csm", help="CSM checkpoint directory or tiny-csm (default)")
+    sp.add_argument("--speaker", default="0", help="speaker id (0-9) or preset (default, alternate)")
+    sp.add_argument("--format", dest="fmt", default=None, help="wav, flac, mp3, opus, pcm (default: from -o)")
+    sp.add_argument("--max-duration", type=float, default=None, help="seconds of audio at most")
+    sp.add_argument("--temperature", type=float, default=None, help="0 = greedy; default: the checkpoint's")
+    sp.add_argument("--seed", type=int, default=None)
 
     models = sub.add_parser("models", help="model checkpoints")
     msub = models.add_subparsers(dest="models_command", required=True)
@@ -69,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_tokens < 1:
             print("pie-media: --max-tokens must be >= 1", file=sys.stderr)
             return 2
+        if args.concurrency < 1:
+            print("pie-media: --concurrency must be >= 1", file=sys.stderr)
+            return 2
         try:
             return run_caption(
                 args.files,
@@ -76,10 +99,27 @@ def main(argv: list[str] | None = None) -> int:
                 prompt=args.prompt,
                 max_tokens=args.max_tokens,
                 as_json=args.json,
+                out=args.out,
+                concurrency=args.concurrency,
+                progress=not args.no_progress,
             )
         except (FileNotFoundError, ValueError) as e:  # unknown model dir, unsupported architecture, ...
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
+    if args.command == "speak":
+        from api.speak_cmd import run_speak
+
+        speaker: int | str = int(args.speaker) if args.speaker.lstrip("-").isdigit() else args.speaker
+        return run_speak(
+            args.text,
+            args.out,
+            model=args.model,
+            speaker=speaker,
+            fmt=args.fmt,
+            max_duration=args.max_duration,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
     if args.command == "models":
         from pathlib import Path
 

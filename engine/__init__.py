@@ -10,22 +10,39 @@ from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.errors import (
     CheckpointShapeError,
     ContextClosedError,
+    EmptyTextError,
     EngineError,
+    InvalidDurationError,
     InvalidRequestError,
     MissingCheckpointFileError,
     ModelLoadError,
+    NoSpeechHeadError,
     OutOfPagesError,
     SavedContextExistsError,
     SavedContextNotFoundError,
+    TextTooLongError,
     UnsupportedArchitectureError,
+    UnsupportedAudioFormatError,
+    UnsupportedVoiceError,
 )
 from engine.kv_pool import KVPool, PoolStats
 from engine.model import Model
 from engine.sampling import Sampler, generator
+from engine.speech import MAX_SPEECH_TEXT_TOKENS, SPEECH_FORMATS, Speech, SpeechModel
 from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens, stop_strings
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
+    "SpeechModel",
+    "Speech",
+    "SPEECH_FORMATS",
+    "MAX_SPEECH_TEXT_TOKENS",
+    "UnsupportedVoiceError",
+    "UnsupportedAudioFormatError",
+    "TextTooLongError",
+    "NoSpeechHeadError",
+    "InvalidDurationError",
+    "EmptyTextError",
     "CheckpointShapeError",
     "Context",
     "ContextClosedError",

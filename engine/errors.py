@@ -79,3 +79,39 @@ class InvalidRequestError(EngineError, ValueError):
     """The call's arguments make no sense for this context or model."""
 
     code = "invalid_request"
+
+
+class NoSpeechHeadError(InvalidRequestError):
+    """``speak`` was called on a model that cannot produce speech (no CSM speech head)."""
+
+    code = "no_speech_head"
+
+
+class EmptyTextError(InvalidRequestError):
+    """There is no text to speak."""
+
+    code = "empty_text"
+
+
+class TextTooLongError(InvalidRequestError):
+    """The text to speak is over the token limit (``details['limit']``)."""
+
+    code = "text_too_long"
+
+
+class UnsupportedVoiceError(InvalidRequestError):
+    """The voice selector (speaker) is not an allowed speaker id or a known preset."""
+
+    code = "unsupported_voice"
+
+
+class UnsupportedAudioFormatError(InvalidRequestError):
+    """An output audio format the engine cannot encode."""
+
+    code = "unsupported_audio_format"
+
+
+class InvalidDurationError(InvalidRequestError):
+    """``max_duration`` is not a positive number of seconds."""
+
+    code = "invalid_max_duration"

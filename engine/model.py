@@ -6,7 +6,8 @@ towers) from the safetensors with ``from_pretrained`` (sharded or not), the toke
 the chat template and generation_config, wires the language model's attention to the
 paged KV (``engine.attention``) and sizes the page pool. ``"tiny-qwen3-vl"``,
 ``"tiny-gemma4"`` (and ``"tiny"`` = tiny-qwen3-vl) name the fixture checkpoints, built on
-first use. Nothing is fetched from a hub.
+first use. A ``CsmForConditionalGeneration`` checkpoint (``"tiny-csm"`` too) loads as an
+``engine.speech.SpeechModel`` (``speak`` / ``speak_stream``). Nothing is fetched from a hub.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.errors import (
     InvalidRequestError,
     MissingCheckpointFileError,
     ModelLoadError,
+    NoSpeechHeadError,
     SavedContextNotFoundError,
 )
 from engine.forward import ForwardRunner
@@ -184,6 +186,10 @@ class Model:
         """
         path = resolve_checkpoint(path_or_name)
         config = _read_config(path)
+        if (config.get("architectures") or [None])[0] == "CsmForConditionalGeneration":
+            from engine.speech import SpeechModel  # speech out: no contexts, no KV pool
+
+            return SpeechModel.load(path, config, device=device, dtype=dtype)  # type: ignore[return-value]
         arch_cls = architecture_class(config.get("architectures"))
         _check_weights(path)
         _check_tokenizer(path)
@@ -305,6 +311,18 @@ class Model:
 
     def encode(self, items: list[Prepared]) -> list[Encoded]:
         return self.encoder.encode(items)
+
+    # -- speech -----------------------------------------------------------------------------
+    def speak(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        """Only CSM checkpoints speak (``Model.load`` returns an ``engine.speech.SpeechModel``)."""
+        raise NoSpeechHeadError(
+            f"model {self.name!r} ({self.architecture}) has no speech head; load a CSM checkpoint to speak",
+            model=self.name,
+            architecture=self.architecture,
+        )
+
+    def speak_stream(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        return self.speak(text, *args, **kwargs)
 
     # -- saved contexts ---------------------------------------------------------------------
     def saved_names(self) -> list[str]:
