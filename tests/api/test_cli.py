@@ -94,3 +94,24 @@ def test_models_build_tiny_into_a_folder(tmp_path, capsys):
         assert cfg["architectures"], name
         assert (tmp_path / name / "model.safetensors").is_file()
         assert str(tmp_path) in path
+
+
+def test_speak_writes_a_readable_clip(tmp_path, capsys):
+    from media import Audio
+
+    out = tmp_path / "hello.flac"
+    assert main(["speak", "hello there", "-o", str(out), "--max-duration", "0.4"]) == 0
+    clip = Audio.from_bytes(out.read_bytes())
+    assert clip.sample_rate == 24000 and clip.channels == 1
+    assert 0.0 < clip.duration <= 0.4 + 0.05
+    assert "24000 Hz" in capsys.readouterr().out
+
+
+def test_speak_typed_errors_exit_2(tmp_path, capsys):
+    assert main(["speak", "", "-o", str(tmp_path / "a.wav")]) == 2
+    assert "empty_text" in capsys.readouterr().err
+    assert main(["speak", "hi", "-o", str(tmp_path / "a.wav"), "--speaker", "99"]) == 2
+    assert "unsupported_voice" in capsys.readouterr().err
+    assert main(["speak", "hi", "-o", str(tmp_path / "a.wav"), "--model", "tiny-qwen3-vl"]) == 2
+    assert "no_speech_head" in capsys.readouterr().err
+    assert not (tmp_path / "a.wav").exists()
