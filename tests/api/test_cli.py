@@ -115,3 +115,26 @@ def test_speak_typed_errors_exit_2(tmp_path, capsys):
     assert main(["speak", "hi", "-o", str(tmp_path / "a.wav"), "--model", "tiny-qwen3-vl"]) == 2
     assert "no_speech_head" in capsys.readouterr().err
     assert not (tmp_path / "a.wav").exists()
+
+
+def test_inspect_with_model_reports_token_budget(samples, capsys):
+    from encoders import encoder_for
+    from fixtures.tiny_models import ensure_tiny_model
+    from media import Image
+
+    image = samples / "images/photo_640x480.jpg"
+    rc = main(["inspect", "--json", "--model", "tiny", str(image), str(samples / "audio/tone_16k_mono.wav")])
+    assert rc == 1  # audio is a typed error for Qwen3-VL
+    img, aud = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    expected = encoder_for(ensure_tiny_model("tiny-qwen3-vl")).prepare(Image.from_path(image))
+    view = img["model_view"]
+    assert view["token_count"] == expected.token_count
+    assert view["grid"] == list(expected.grid)
+    assert view["position_span"] == expected.position_span
+    assert view["kv_rows"] == expected.num_rows
+    assert aud["kind"] == "audio" and aud["model_view"]["error"]["code"] == "unsupported_media"
+
+    rc = main(["inspect", "--json", "--model", "tiny-gemma4", str(samples / "audio/tone_16k_mono.wav")])
+    assert rc == 0
+    gemma = json.loads(capsys.readouterr().out)["model_view"]
+    assert gemma["token_count"] > 0 and gemma["position_span"] == gemma["kv_rows"]
