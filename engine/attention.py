@@ -21,7 +21,9 @@ Masks are built per sequence over KV row indices (row = token index in the conte
   block see each other. A block is always prefilled in one pass (spans are never split).
 
 Backends: ``torch`` (gather the pages of a sequence, then SDPA; CPU and CUDA) lives
-here. Others plug in through ``AttentionBackend``.
+here. It attends all one-row queries of a pass (decode steps) in one padded SDPA call
+over K/V gathered with a slot table built once per pass and shared by every layer;
+prefill chunks and media-block rows go one sequence at a time. Others plug in through ``AttentionBackend``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class BatchMeta:
     """(N,) flat slot (page * page_size + offset) each batch row writes its K/V to."""
     block_overlay_layers: frozenset[int] = field(default_factory=frozenset)
     backend: AttentionBackend | None = None
+    cache: dict[Any, Any] = field(default_factory=dict)
+    """Per-pass values a backend computes once and reuses in every layer (index tables)."""
 
 
 class AttentionBackend(Protocol):
@@ -139,15 +143,91 @@ class TorchBackend:
         kc, vc = meta.pool.kv(layer)
         _, page_size, kvh, hd = kc.shape
         blocks = layer in meta.block_overlay_layers
+        group = None if softcap is not None else _decode_group(meta, page_size, sliding_window)
+        rest = meta.seqs if group is None else group.rest
         outs = []
-        for seq in meta.seqs:
+        for seq in rest:
             q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, n, D)
             k = kc[seq.pages].reshape(-1, kvh, hd)[: seq.kv_len].transpose(0, 1).unsqueeze(0)
             v = vc[seq.pages].reshape(-1, kvh, hd)[: seq.kv_len].transpose(0, 1).unsqueeze(0)
             k, v = k.to(q.dtype), v.to(q.dtype)
             mask = sequence_mask(seq, sliding_window=sliding_window, blocks=blocks, device=q.device)
             outs.append(_attend(q, k, v, mask, seq, scaling=scaling, softcap=softcap))
-        return torch.cat(outs, dim=2)
+        if group is None:
+            return torch.cat(outs, dim=2)
+        # All single-row causal queries at once: (B, H, 1, D) over (B, kv_heads, Lmax, D)
+        # gathered with one index_select of the pass's flat slot table, padding masked out.
+        q = query[0].index_select(1, group.rows).transpose(0, 1).unsqueeze(2)
+        shape = (group.rows.shape[0], group.width, kvh, hd)
+        k = kc.view(-1, kvh, hd).index_select(0, group.slots).view(shape).transpose(1, 2).to(q.dtype)
+        v = vc.view(-1, kvh, hd).index_select(0, group.slots).view(shape).transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=q.shape[1] != kvh
+        )  # (B, H, 1, D)
+        o = o.squeeze(2).transpose(0, 1)  # (H, B, D)
+        if group.in_order:
+            return o.unsqueeze(0)
+        out = o.new_empty(1, o.shape[0], query.shape[2], o.shape[2])
+        for seq, part in zip(rest, outs, strict=True):
+            out[:, :, seq.q_start : seq.q_start + seq.q_len] = part
+        out[0].index_copy_(1, group.rows, o)
+        return out
+
+
+@dataclass
+class _DecodeGroup:
+    """The one-row, plain-causal sequences of a pass, attended in one padded SDPA call."""
+
+    rows: torch.Tensor
+    """(B,) their query rows in the batch."""
+    slots: torch.Tensor
+    """(B * Lmax,) flat K/V slot of every key row of every sequence (padding: slot 0)."""
+    width: int
+    """Lmax: the longest sequence's KV length."""
+    mask: torch.Tensor
+    """(B, 1, 1, Lmax) True where the key row exists."""
+    rest: list[SeqMeta]
+    """The other sequences of the pass (attended one by one)."""
+    in_order: bool
+    """The group is the whole batch, rows 0..B-1 in order."""
+
+
+def _decode_group(meta: BatchMeta, page_size: int, sliding_window: int | None) -> _DecodeGroup | None:
+    """Built once per pass (and window) and shared by every layer; None when fewer than two
+    sequences qualify (one query row, no media block: causal over all its keys, cut to the
+    sliding window where the layer has one)."""
+    key = ("decode", page_size, sliding_window)
+    if key in meta.cache:
+        return meta.cache[key]
+    group_seqs, rest = [], []
+    for seq in meta.seqs:
+        (group_seqs if seq.q_len == 1 and seq.block_ids is None else rest).append(seq)
+    group = None
+    if len(group_seqs) >= 2:
+        dev = meta.slots.device
+        kv_lens = torch.tensor([s.kv_len for s in group_seqs], dtype=torch.long, device=dev)
+        lmax = int(max(s.kv_len for s in group_seqs))
+        n_pages = -(-lmax // page_size)
+        table = torch.zeros(len(group_seqs), n_pages, dtype=torch.long, device=dev)
+        for i, s in enumerate(group_seqs):
+            pages = s.pages[: -(-s.kv_len // page_size)]
+            table[i, : pages.shape[0]] = pages
+        pos = torch.arange(lmax, device=dev)
+        valid = pos[None, :] < kv_lens[:, None]
+        if sliding_window is not None:  # as sequence_mask: query row - key row < window
+            valid &= pos[None, :] > kv_lens[:, None] - 1 - sliding_window
+        slots = table[:, pos // page_size] * page_size + pos % page_size
+        rows = torch.tensor([s.q_start for s in group_seqs], dtype=torch.long, device=dev)
+        group = _DecodeGroup(
+            rows=rows,
+            slots=torch.where(valid, slots, torch.zeros_like(slots)).flatten(),
+            width=lmax,
+            mask=valid[:, None, None, :],
+            rest=rest,
+            in_order=not rest and all(s.q_start == i for i, s in enumerate(group_seqs)),
+        )
+    meta.cache[key] = group
+    return group
 
 
 def _attend(
