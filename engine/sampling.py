@@ -302,6 +302,8 @@ def sample(
     rows = _per_row(samplers, n)
     out = torch.empty(n, dtype=torch.long, device=scores.device)
     greedy = [i for i, s in enumerate(rows) if s.is_greedy]
+    if len(greedy) == n:  # the common all-greedy batch: no row gather
+        return scores.argmax(dim=-1)
     if greedy:
         idx = torch.tensor(greedy, device=scores.device)
         out[idx] = scores[idx].argmax(dim=-1)
