@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from encoders.errors import UnsupportedModelError
+from encoders.frame_resize import TORCH_MODES, resize_frames_like_torchvision
 from media.errors import InvalidRequestError
 
 __all__ = [
@@ -48,9 +49,6 @@ __all__ = [
 
 SUPPORTED_SOFT_TOKENS: tuple[int, ...] = (70, 140, 280, 560, 1120)
 """The soft-token budgets the Gemma-4 processors accept."""
-
-# Pillow filter number -> torch.nn.functional.interpolate mode (torchvision's mapping).
-_TORCH_MODES = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
 
 def check_budget(value: Any, kind: str) -> int:
@@ -108,7 +106,7 @@ class VisionSettings:
                 f"processor max_soft_tokens {budget!r} is not one of {SUPPORTED_SOFT_TOKENS}"
             )
         resample = int(cfg.get("resample", 3))
-        if video and resample not in _TORCH_MODES:
+        if video and resample not in TORCH_MODES:
             raise UnsupportedModelError(
                 f"video processor resample={resample} has no torchvision equivalent here"
             )
@@ -204,28 +202,6 @@ def aspect_ratio_preserving_size(
 
 
 # --------------------------------------------------------------------------- resize
-
-
-def resize_frames_like_torchvision(
-    frames: torch.Tensor, height: int, width: int, resample: int
-) -> torch.Tensor:
-    """``torchvision.transforms.v2.functional.resize(frames, [height, width], resample,
-    antialias=True)`` on a uint8 (N, 3, H, W) CPU tensor: bicubic runs torch's native uint8
-    kernel; bilinear does on AVX2 CPUs and otherwise goes float32 -> interpolate -> round;
-    nearest ignores antialiasing."""
-    if tuple(frames.shape[-2:]) == (height, width):
-        return frames
-    mode = _TORCH_MODES[resample]
-    if mode == "nearest":
-        return torch.nn.functional.interpolate(frames, size=[height, width], mode="nearest")
-    native = mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability()
-    x = frames if native else frames.to(torch.float32)
-    x = torch.nn.functional.interpolate(
-        x, size=[height, width], mode=mode, align_corners=False, antialias=True
-    )
-    if not native:
-        x = x.round_().to(torch.uint8)
-    return x
 
 
 # --------------------------------------------------------------------------- patches

@@ -52,6 +52,7 @@ from encoders.base import MediaEncoder, model_fingerprint
 from encoders.cache import EncoderCache
 from encoders.checkpoint_files import load_tokenizer, read_json, weight_files
 from encoders.errors import UnsupportedModelError
+from encoders.frame_resize import TORCH_MODES, resize_frames_like_torchvision
 from encoders.prepared import Encoded, MediaKind, Prepared
 from media import Image, Video
 from media.errors import InvalidRequestError
@@ -71,10 +72,6 @@ __all__ = [
 FAMILY = "qwen3_vl"
 MAX_ASPECT_RATIO = 200
 """The reference refuses images (and frames) whose long side is over 200x the short one."""
-
-# PIL resampling ids (PIL.Image.Resampling) -> torch.nn.functional.interpolate modes, as
-# transformers' ``pil_torch_interpolation_mapping`` maps them for torchvision.
-_TORCH_MODES = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
 # ``Qwen3VLVideoProcessor`` class defaults, used for keys a video config leaves out.
 _VIDEO_DEFAULTS: dict[str, Any] = {
@@ -317,7 +314,7 @@ class VideoSettings:
         merged = {**_VIDEO_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k == "fps"}}
         lo, hi = _size_bounds(merged, _VIDEO_DEFAULTS["size"])
         resample = int(merged["resample"])
-        if resample not in _TORCH_MODES:
+        if resample not in TORCH_MODES:
             raise UnsupportedModelError(
                 f"video resample {resample} is not supported (nearest, bilinear, bicubic)"
             )
@@ -472,28 +469,6 @@ def _alloc_float32(shape: tuple[int, ...]) -> torch.Tensor:
     except (OSError, ValueError, AttributeError):
         return torch.empty(shape, dtype=torch.float32)
     return torch.frombuffer(buf, dtype=torch.float32, count=n).view(shape)
-
-
-def _resize_uint8_like_torchvision(
-    frames: torch.Tensor, height: int, width: int, resample: int
-) -> torch.Tensor:
-    """torchvision.transforms.v2.functional.resize on a uint8 (N, C, H, W) CPU tensor with
-    antialias=True, as ``TorchvisionBackend.resize`` calls it: bicubic runs natively on
-    uint8; bilinear does on AVX2 CPUs and otherwise goes through float32 + round; nearest
-    runs on uint8 without antialiasing."""
-    if frames.shape[-2:] == (height, width):
-        return frames
-    mode = _TORCH_MODES[resample]
-    if mode == "nearest":
-        return torch.nn.functional.interpolate(frames, size=[height, width], mode="nearest")
-    native = mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability()
-    x = frames if native else frames.to(torch.float32)
-    x = torch.nn.functional.interpolate(
-        x, size=[height, width], mode=mode, align_corners=False, antialias=True
-    )
-    if not native:
-        x = x.round_().to(torch.uint8)
-    return x
 
 
 def _video_pixels(frames: torch.Tensor, s: VideoSettings) -> torch.Tensor:
@@ -778,7 +753,7 @@ class Qwen3VLEncoder(MediaEncoder):
             )
         if s.do_resize:
             rh, rw = video_smart_resize(n_frames, height, width, s.temporal_patch_size, factor, lo, hi)
-            frames = _resize_uint8_like_torchvision(frames, rh, rw, s.resample)
+            frames = resize_frames_like_torchvision(frames, rh, rw, s.resample)
         else:
             rh, rw = height, width
         pixel_values = _video_pixels(frames, s)
