@@ -48,12 +48,8 @@ def row(label: str, ours: float, ref: float, parity: str) -> None:
     print(f"  {label:<44}{ours * 1e3:>10.1f}{ref * 1e3:>10.1f}{ref / ours:>8.2f}x  {parity}")
 
 
-def bench_qwen_images(samples: Path, repeats: int) -> None:
-    from transformers import AutoImageProcessor
-
-    model_dir = ensure_tiny_model("tiny-qwen3-vl")
-    enc = encoder_for(model_dir, load_weights=False)
-    ref_proc = AutoImageProcessor.from_pretrained(model_dir)
+def bench_images(label: str, enc, ref_proc, samples: Path, repeats: int) -> None:
+    """Decode + prepare of two photos, ours vs ``ref_proc`` (PIL decode + the processor)."""
     for rel in ("images/photo_4032x3024.jpg", "images/photo_1024x768.png"):
         data = (samples / rel).read_bytes()
 
@@ -65,35 +61,29 @@ def bench_qwen_images(samples: Path, repeats: int) -> None:
             return ref_proc(images=[pil], return_tensors="pt")["pixel_values"]
 
         res = interleaved({"ours": ours, "ref": ref}, repeats)
-        diff = (res["ours"][1] - res["ref"][1]).abs().max().item()
-        row(f"Qwen3-VL image {Path(rel).name}", res["ours"][0], res["ref"][0], f"max|diff| {diff:.1e}")
+        a, b = res["ours"][1], res["ref"][1]
+        parity = (
+            f"max|diff| {(a - b.reshape(a.shape)).abs().max().item():.1e}"
+            if a.numel() == b.numel()
+            else (f"SHAPE MISMATCH {tuple(a.shape)} vs {tuple(b.shape)}")
+        )
+        row(f"{label} image {Path(rel).name}", res["ours"][0], res["ref"][0], parity)
+
+
+def bench_qwen_images(samples: Path, repeats: int) -> None:
+    from transformers import AutoImageProcessor
+
+    model_dir = ensure_tiny_model("tiny-qwen3-vl")
+    ref = AutoImageProcessor.from_pretrained(model_dir)
+    bench_images("Qwen3-VL", encoder_for(model_dir, load_weights=False), ref, samples, repeats)
 
 
 def bench_gemma_image(samples: Path, repeats: int) -> None:
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     model_dir = ensure_tiny_model("tiny-gemma4")
-    enc = encoder_for(model_dir, load_weights=False)
-    ref_proc = Gemma4ImageProcessorPil.from_pretrained(model_dir)
-    for rel in ("images/photo_4032x3024.jpg", "images/photo_1024x768.png"):
-        data = (samples / rel).read_bytes()
-
-        def ours(data=data):
-            return _fresh(enc).prepare(Image.from_bytes(data)).inputs["pixel_values"]
-
-        def ref(data=data):
-            pil = PILImage.open(io.BytesIO(data)).convert("RGB")
-            return ref_proc(images=[pil], return_tensors="pt")["pixel_values"]
-
-        res = interleaved({"ours": ours, "ref": ref}, repeats)
-        a, b = (
-            res["ours"][1],
-            res["ref"][1].reshape(-1, res["ref"][1].shape[-1])[
-                : res["ours"][1].reshape(-1, res["ours"][1].shape[-1]).shape[0]
-            ],
-        )
-        diff = (a.reshape(b.shape) - b).abs().max().item() if a.numel() == b.numel() else float("nan")
-        row(f"Gemma-4 image {Path(rel).name}", res["ours"][0], res["ref"][0], f"max|diff| {diff:.1e}")
+    ref = Gemma4ImageProcessorPil.from_pretrained(model_dir)
+    bench_images("Gemma-4", encoder_for(model_dir, load_weights=False), ref, samples, repeats)
 
 
 def bench_gemma_audio(samples: Path, repeats: int) -> None:
