@@ -117,7 +117,7 @@ class Image:
     (a read-only HWC array, no copy) or :meth:`to_pil` (a fresh PIL image).
 
     ``content_hash`` identifies the decoded result: for encoded input it is the
-    BLAKE2b-128 of the encoded bytes, salted with the options that changed the
+    SHA-256/128 of the encoded bytes, salted with the options that changed the
     result (the background colour when something was transparent, the output size
     when ``reduce_to`` shrank the image). For :meth:`from_pil` / :meth:`from_array`
     it is a hash of the RGB pixels, so it never equals the hash of an encoded file.

@@ -824,7 +824,7 @@ class Video:
         self._data = source.data
         self._limits = limits
         self.content_hash = data_hash
-        """BLAKE2b-128 of the raw bytes (``media.hashing.content_hash``)."""
+        """SHA-256/128 of the raw bytes (``media.hashing.content_hash``)."""
         self.size_bytes = size_bytes
 
     # -- construction
