@@ -418,7 +418,10 @@ class Gemma4Encoder(MediaEncoder):
         if not s.do_resize:
             th, tw = height, width
         resized = resize_frames_like_torchvision(
-            torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(), th, tw, s.resample
+            torch.from_numpy(frames).permute(0, 3, 1, 2),
+            th,
+            tw,
+            s.resample,  # channels-last view
         )
         pixels = resized.permute(0, 2, 3, 1).numpy()
         values, positions, real = patchify(pixels, s.patch_size, self._video_table, max_patches)
