@@ -8,6 +8,7 @@ Knows nothing about HTTP or WASM. Import what you need from here::
 from engine.caption import caption, caption_async, caption_many, caption_many_async
 from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.errors import (
+    AttentionBackendUnavailableError,
     CheckpointShapeError,
     ContextClosedError,
     EmptyTextError,
@@ -33,6 +34,7 @@ from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
+    "AttentionBackendUnavailableError",
     "SpeechModel",
     "Speech",
     "SPEECH_FORMATS",

@@ -20,10 +20,24 @@ Masks are built per sequence over KV row indices (row = token index in the conte
   on the layers ``BatchMeta.block_overlay_layers`` names): rows of the same image/video
   block see each other. A block is always prefilled in one pass (spans are never split).
 
-Backends: ``torch`` (gather the pages of a sequence, then SDPA; CPU and CUDA) lives
-here. It attends all one-row queries of a pass (decode steps) in one padded SDPA call
-over K/V gathered with a slot table built once per pass and shared by every layer;
-prefill chunks and media-block rows go one sequence at a time. Others plug in through ``AttentionBackend``.
+Backends plug in through ``AttentionBackend`` (``write`` this step's K/V, ``attend``):
+
+* ``torch`` (here; CPU and CUDA, any dtype): gather the pages of a sequence, then SDPA.
+  It attends all one-row queries of a pass (decode steps) in one padded SDPA call over
+  K/V gathered with a slot table built once per pass and shared by every layer; prefill
+  chunks and media-block rows go one sequence at a time.
+* ``flashinfer`` (``engine.attention_flashinfer``; CUDA, float16/bfloat16): flashinfer's
+  paged kernels read the pool in place (its ``"NHD"`` layout is ours): the batch decode
+  wrapper for one-row queries, the batch prefill wrapper (causal) for chunks, and the
+  prefill wrapper with a ``custom_mask`` built by ``sequence_mask`` for media-block rows.
+  Page tables are built and kernels planned once per pass, per layer kind. flashinfer is
+  imported lazily, never on a machine without CUDA. Not yet run on a GPU in this repo
+  (none was available): its CUDA tests are written but have not passed anywhere yet.
+
+``Model.load(attention="auto")`` picks flashinfer when the device is CUDA, the dtype is
+float16/bfloat16 and flashinfer imports, else torch; ``"torch"`` and ``"flashinfer"``
+force one (the latter raises ``AttentionBackendUnavailableError`` saying why it cannot
+run). ``Model.attention_backend`` names the one in use.
 """
 
 from __future__ import annotations

@@ -81,6 +81,13 @@ class InvalidRequestError(EngineError, ValueError):
     code = "invalid_request"
 
 
+class AttentionBackendUnavailableError(InvalidRequestError):
+    """The attention backend asked for (``details['backend']``) cannot run here; the
+    message says why (no CUDA device, an unsupported dtype, flashinfer not installed)."""
+
+    code = "attention_backend_unavailable"
+
+
 class NoSpeechHeadError(InvalidRequestError):
     """``speak`` was called on a model that cannot produce speech (no CSM speech head)."""
 

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.architectures import Architecture, architecture_class
+from engine.attention import AttentionBackend
 from engine.attention import register as register_attention
+from engine.attention_flashinfer import ATTENTION_CHOICES, select_backend
 from engine.errors import (
     CheckpointShapeError,
     InvalidRequestError,
@@ -140,6 +142,7 @@ class Model:
         max_batch_rows: int,
         encoder_cache: EncoderCache | None,
         chat_template_kwargs: dict[str, Any],
+        attention: AttentionBackend | None = None,
     ):
         from engine.chat import ChatTemplate
 
@@ -153,7 +156,9 @@ class Model:
         self.dtype = dtype
         self.pool = pool
         self.max_prefill_rows = max_prefill_rows
-        self.runner = ForwardRunner(arch, pool, device=device, encode=self.encode)
+        self.runner = ForwardRunner(arch, pool, device=device, encode=self.encode, backend=attention)
+        self.attention_backend: str = attention.name if attention is not None else "torch"
+        """Name of the attention backend the forward passes use ("torch" or "flashinfer")."""
         self.scheduler = Scheduler(self.runner, max_batch_rows=max_batch_rows)
         self.chat = ChatTemplate(tokenizer, getattr(tokenizer, "chat_template", None), **chat_template_kwargs)
         self._encoder_cache = encoder_cache
@@ -176,14 +181,23 @@ class Model:
         max_batch_rows: int = 8192,
         encoder_cache: EncoderCache | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        attention: str = "auto",
     ) -> Model:
         """Load a checkpoint directory (or a tiny fixture name).
 
         device: default CUDA when available, else CPU. kv_pages: pool size in pages; else
         ``kv_memory`` bytes (default: 256 MiB on CPU, half the free GPU memory after
         loading on CUDA). page_size: rows per page. max_prefill_rows: rows per prefill
-        chunk (a media span longer than that is still prefilled whole).
+        chunk (a media span longer than that is still prefilled whole). attention: the
+        attention backend, "auto" (flashinfer on CUDA with float16/bfloat16 when it
+        imports, else torch), "torch" or "flashinfer" (``AttentionBackendUnavailableError``
+        when it cannot run here); validated but unused for speech checkpoints.
         """
+        if attention not in ATTENTION_CHOICES:  # checked here too: speech checkpoints ignore it
+            raise InvalidRequestError(
+                f"unknown attention backend {attention!r}; expected one of {', '.join(ATTENTION_CHOICES)}",
+                attention=attention,
+            )
         path = resolve_checkpoint(path_or_name)
         config = _read_config(path)
         if (config.get("architectures") or [None])[0] == "CsmForConditionalGeneration":
@@ -198,6 +212,7 @@ class Model:
         if max_prefill_rows < 1:
             raise InvalidRequestError(f"max_prefill_rows must be >= 1, got {max_prefill_rows}")
         dev = torch.device(device) if device is not None else _default_device()
+        backend = select_backend(attention, device=dev, dtype=dtype)  # before the weights load
 
         import transformers
 
@@ -253,6 +268,7 @@ class Model:
             max_batch_rows=max_batch_rows,
             encoder_cache=encoder_cache,
             chat_template_kwargs=chat_template_kwargs or {},
+            attention=backend,
         )
 
     # -- facts ------------------------------------------------------------------------------

@@ -1,0 +1,317 @@
+"""The ``flashinfer`` attention backend (CUDA only) and the choice of backend at load time.
+
+flashinfer is imported lazily: importing this module (or ``engine``) never imports it, and
+``flashinfer_available`` checks ``torch.cuda.is_available()`` before trying to, so CPU
+machines and CI never touch it. Install it with the ``cuda`` extra (``flashinfer-python``).
+
+API targeted: flashinfer 0.6.18 (``flashinfer/prefill.py``, ``flashinfer/decode.py`` at
+commit fb28d72 of flashinfer-ai/flashinfer); the keyword names used here (``causal``,
+``custom_mask``, ``window_left``, ``logits_soft_cap``, ``sm_scale``, ``q_data_type``,
+``kv_data_type``) are the same back to 0.2.5. Verified against the sources only: no GPU was
+available while this was written, so the backend has not been run in this repo yet.
+
+How a pass maps onto flashinfer (per layer the protocol of ``engine.attention``):
+
+* K/V are written with ``TorchBackend.write`` (``index_copy_`` of the pass's slots into the
+  pool, as correct on CUDA as on CPU).
+* The pool's per-layer K and V, each ``(num_pages, page_size, kv_heads, head_dim)``, are
+  flashinfer's ``(k_cache, v_cache)`` tuple in ``"NHD"`` layout, passed without a copy.
+* The sequences of a pass are split once per pass into up to three parts, each with its
+  page-table arrays (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``)
+  built once and cached in ``meta.cache``:
+
+  - ``decode``: one query row, plain causal: ``BatchDecodeWithPagedKVCacheWrapper``;
+  - ``prefill``: several rows, plain causal: ``BatchPrefillWithPagedKVCacheWrapper`` with
+    ``causal=True``. flashinfer aligns the causal mask bottom-right (query ``i`` of
+    ``qo_len`` sits at KV row ``kv_len - qo_len + i``), which is our ``kv_start + i``, so
+    chunks that start mid-context need nothing more;
+  - ``custom``: sequences with a bidirectional media block on this layer
+    (``meta.block_overlay_layers`` and ``seq.block_ids``): the prefill wrapper with a
+    ``custom_mask`` built by ``engine.attention.sequence_mask`` (the same mask the torch
+    backend uses, sliding window included, so ``window_left`` stays -1 there).
+
+  Each part is planned once per pass per layer kind (head counts, head dim, window,
+  softcap, scale, dtype; one wrapper per kind, so the plans of a pass never overwrite each
+  other) and run in every layer of that kind.
+* Sliding window: ``sequence_mask`` lets query row q see key row k when ``q - k < window``;
+  flashinfer keeps k when ``k >= q - window_left``, so ``window_left = window - 1``.
+* ``softcap`` is ``logits_soft_cap`` (``cap * tanh(scale * q.k / cap)``, as the torch
+  backend), ``scaling`` is ``sm_scale``; GQA is native (``num_qo_heads`` a multiple of
+  ``num_kv_heads``).
+
+flashinfer takes float16/bfloat16 only. Selection (``select_backend``) therefore keeps a
+float32 model on the torch backend under ``"auto"`` and raises under ``"flashinfer"``.
+One backend object serves one model; passes run one at a time (the scheduler's worker),
+which the per-kind wrappers rely on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from engine.attention import TORCH_BACKEND, AttentionBackend, BatchMeta, SeqMeta, sequence_mask
+from engine.errors import AttentionBackendUnavailableError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+ATTENTION_CHOICES = ("auto", "torch", "flashinfer")
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+WORKSPACE_BYTES = 128 * 1024 * 1024
+"""flashinfer's float workspace (split-KV partial results); its docs recommend 128 MiB."""
+
+PartKind = Literal["decode", "prefill", "custom"]
+
+
+def flashinfer_available() -> tuple[bool, str]:
+    """(True, version) when flashinfer can be used here, else (False, why not).
+
+    CUDA is checked first, so a CPU machine never imports flashinfer."""
+    if not torch.cuda.is_available():
+        return False, "flashinfer needs a CUDA device and torch.cuda.is_available() is False"
+    try:
+        import flashinfer
+    except Exception as e:  # ImportError, or a compiled extension that fails to load
+        return False, f"flashinfer does not import ({type(e).__name__}: {e}); install pie-media[cuda]"
+    return True, f"flashinfer {getattr(flashinfer, '__version__', '(unknown version)')}"
+
+
+def select_backend(attention: str, *, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend ``Model.load(attention=...)`` asked for.
+
+    ``"torch"``: the reference backend. ``"flashinfer"``: flashinfer, or
+    ``AttentionBackendUnavailableError`` saying why it cannot be used. ``"auto"``:
+    flashinfer when the device is CUDA, the dtype is float16/bfloat16 and flashinfer
+    imports; else torch (the reason is logged)."""
+    if attention not in ATTENTION_CHOICES:
+        raise InvalidRequestError(
+            f"unknown attention backend {attention!r}; expected one of {', '.join(ATTENTION_CHOICES)}",
+            attention=attention,
+        )
+    if attention == "torch":
+        return TORCH_BACKEND
+    why_not = _flashinfer_unusable(device, dtype)
+    if why_not is None:
+        return FlashInferBackend(device)
+    if attention == "flashinfer":
+        raise AttentionBackendUnavailableError(why_not, backend="flashinfer")
+    log.info("attention backend: torch (%s)", why_not)
+    return TORCH_BACKEND
+
+
+def _flashinfer_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cuda":
+        return f"flashinfer needs a CUDA device; this model is on {device}"
+    if dtype not in FLASHINFER_DTYPES:
+        return (
+            f"flashinfer's kernels take float16 or bfloat16; this model is {dtype} "
+            "(load it with dtype=torch.bfloat16 or torch.float16)"
+        )
+    ok, why = flashinfer_available()
+    return None if ok else why
+
+
+@dataclass
+class _Part:
+    """Sequences of one pass attended by one flashinfer call, with their page tables."""
+
+    kind: PartKind
+    seqs: list[SeqMeta]
+    rows: torch.Tensor | None
+    """Their query rows in the batch, in order; None when the part is the whole batch."""
+    qo_indptr: torch.Tensor
+    """(B + 1,) int32 on the CPU: query rows per sequence, prefix-summed."""
+    kv_indptr: torch.Tensor
+    """(B + 1,) int32 on the CPU: pages per sequence, prefix-summed."""
+    kv_indices: torch.Tensor
+    """(kv_indptr[-1],) int32 on the device: every sequence's pages in order."""
+    kv_last_page_len: torch.Tensor
+    """(B,) int32 on the CPU: rows used in each sequence's last page (1..page_size)."""
+
+
+def page_tables(
+    seqs: Sequence[SeqMeta], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flashinfer's CSR page table of ``seqs``: (qo_indptr, kv_indptr, kv_indices,
+    kv_last_page_len); indptrs and last-page lengths on the CPU (``plan`` reads them
+    there), indices on the pages' device."""
+    n_pages = [-(-s.kv_len // page_size) for s in seqs]
+    qo = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    qo[1:] = torch.tensor([s.q_len for s in seqs], dtype=torch.int32).cumsum(0)
+    kv = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    kv[1:] = torch.tensor(n_pages, dtype=torch.int32).cumsum(0)
+    indices = torch.cat([s.pages[:n] for s, n in zip(seqs, n_pages, strict=True)]).to(torch.int32)
+    last = torch.tensor([s.kv_len - (n - 1) * page_size for s, n in zip(seqs, n_pages, strict=True)])
+    return qo, kv, indices, last.to(torch.int32)
+
+
+def split_pass(meta: BatchMeta, page_size: int, blocks: bool) -> list[_Part]:
+    """The pass's sequences as decode / prefill / custom-mask parts (empty ones left out),
+    built once per pass (and per ``blocks``) and shared by every layer."""
+    key = ("flashinfer", "parts", page_size, blocks)
+    if key in meta.cache:
+        return meta.cache[key]
+    groups: dict[PartKind, list[SeqMeta]] = {"decode": [], "prefill": [], "custom": []}
+    for seq in meta.seqs:
+        # block_ids.any(): one device sync per media sequence and pass (this is cached).
+        if blocks and seq.block_ids is not None and bool((seq.block_ids >= 0).any()):
+            groups["custom"].append(seq)
+        else:
+            groups["decode" if seq.q_len == 1 else "prefill"].append(seq)
+    parts = []
+    device = meta.slots.device
+    for kind, seqs in groups.items():
+        if not seqs:
+            continue
+        whole = len(seqs) == len(meta.seqs)
+        rows = None
+        if not whole:
+            rows = torch.cat([torch.arange(s.q_start, s.q_start + s.q_len) for s in seqs]).to(device)
+        parts.append(_Part(kind, seqs, rows, *page_tables(seqs, page_size)))
+    meta.cache[key] = parts
+    return parts
+
+
+class FlashInferBackend:
+    """Paged attention with flashinfer's batch prefill/decode kernels (see the module doc)."""
+
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device | str, *, workspace_bytes: int = WORKSPACE_BYTES):
+        self.device = torch.device(device)
+        self.workspace_bytes = workspace_bytes
+        self._workspace: torch.Tensor | None = None
+        self._wrappers: dict[tuple[Any, ...], Any] = {}
+
+    def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        TORCH_BACKEND.write(meta, layer, key, value)
+
+    def attend(
+        self,
+        meta: BatchMeta,
+        layer: int,
+        query: torch.Tensor,
+        *,
+        scaling: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        kc, vc = meta.pool.kv(layer)
+        _, page_size, kv_heads, head_dim = kc.shape
+        heads = query.shape[1]
+        blocks = layer in meta.block_overlay_layers
+        q = query[0].transpose(0, 1)  # (N, heads, head_dim)
+        layer_kind = (heads, kv_heads, head_dim, sliding_window, softcap, scaling, q.dtype, kc.dtype)
+        parts = split_pass(meta, page_size, blocks)
+        out: torch.Tensor | None = None
+        for part in parts:
+            wrapper = self._planned(meta, part, layer_kind, page_size, blocks)
+            if part.rows is None:
+                return wrapper.run(q.contiguous(), (kc, vc)).transpose(0, 1).unsqueeze(0)
+            o = wrapper.run(q.index_select(0, part.rows), (kc, vc))
+            if out is None:
+                out = q.new_empty(q.shape[0], heads, o.shape[2])
+            out.index_copy_(0, part.rows, o)
+        assert out is not None
+        return out.transpose(0, 1).unsqueeze(0)
+
+    # -- plans ------------------------------------------------------------------------------
+    def _planned(
+        self, meta: BatchMeta, part: _Part, layer_kind: tuple[Any, ...], page_size: int, blocks: bool
+    ) -> Any:
+        """The wrapper of this part and layer kind, planned for this pass (once). ``blocks``
+        is part of the key: it changes which sequences the part holds."""
+        key = (part.kind, blocks, *layer_kind)
+        wrapper = self._wrappers.get(key)
+        if wrapper is None:
+            wrapper = self._wrappers[key] = self._new_wrapper(part.kind, layer_kind)
+        pass_key = ("flashinfer", "planned", key)
+        if pass_key not in meta.cache:
+            self._plan(wrapper, part, layer_kind, page_size)
+            meta.cache[pass_key] = True
+        return wrapper
+
+    def _new_wrapper(self, kind: PartKind, layer_kind: tuple[Any, ...]) -> Any:
+        import flashinfer
+
+        if self._workspace is None:
+            # Shared by every wrapper: it only holds split-KV partials during a run, and the
+            # runs of a pass are sequential on one stream. Each wrapper keeps its own plan.
+            self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        if kind == "decode":
+            heads, kv_heads = layer_kind[0], layer_kind[1]
+            # Tensor-core decode pays off for wide GQA groups (vLLM's rule of thumb: > 4).
+            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=heads // kv_heads > 4
+            )
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+
+    def _plan(self, wrapper: Any, part: _Part, layer_kind: tuple[Any, ...], page_size: int) -> None:
+        heads, kv_heads, head_dim, window, softcap, scaling, q_dtype, kv_dtype = layer_kind
+        common: dict[str, Any] = {
+            "sm_scale": scaling,
+            "logits_soft_cap": softcap,
+            "q_data_type": q_dtype,
+            "kv_data_type": kv_dtype,
+        }
+        window_left = window - 1 if window is not None else -1
+        if part.kind == "decode":
+            wrapper.plan(
+                part.kv_indptr,
+                part.kv_indices,
+                part.kv_last_page_len,
+                heads,
+                kv_heads,
+                head_dim,
+                page_size,
+                window_left=window_left,
+                **common,
+            )
+        elif part.kind == "prefill":
+            wrapper.plan(
+                part.qo_indptr,
+                part.kv_indptr,
+                part.kv_indices,
+                part.kv_last_page_len,
+                heads,
+                kv_heads,
+                head_dim,
+                page_size,
+                causal=True,
+                window_left=window_left,
+                **common,
+            )
+        else:
+            mask = torch.cat([_custom_mask(s, window, part.kv_indices.device) for s in part.seqs])
+            # Index arrays on the mask's device: plan() packs the mask with an indptr
+            # derived from qo_indptr, and flashinfer versions before 0.6 required it on the
+            # mask's device.
+            dev = mask.device
+            wrapper.plan(
+                part.qo_indptr.to(dev),
+                part.kv_indptr.to(dev),
+                part.kv_indices,
+                part.kv_last_page_len.to(dev),
+                heads,
+                kv_heads,
+                head_dim,
+                page_size,
+                custom_mask=mask,
+                causal=False,
+                window_left=-1,  # the window is in the mask
+                **common,
+            )
+
+
+def _custom_mask(seq: SeqMeta, window: int | None, device: torch.device) -> torch.Tensor:
+    """(q_len * kv_len,) flattened row-major boolean mask (True = attend), flashinfer's
+    ``custom_mask`` layout for one request."""
+    mask = sequence_mask(seq, sliding_window=window, blocks=True, device=device)
+    if mask is None:  # no block rows after all: causal
+        q_rows = torch.arange(seq.kv_start, seq.kv_len, device=device)
+        mask = torch.arange(seq.kv_len, device=device)[None, :] <= q_rows[:, None]
+    return mask.flatten()
