@@ -26,6 +26,7 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 CustomFn = Callable[[list[int], list[float]], int]
@@ -288,6 +289,18 @@ def _draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True).squeeze(1)
 
 
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum along the last axis, by ``torch.argmax``'s rules (first
+    index on ties, NaN counts as the largest value), int64 on the scores' device.
+
+    On the CPU this is numpy's argmax, which follows the same rules and is about 10x faster
+    than torch's for a 150k-entry row (measured here: 17 vs 170 us per row, 0.26 vs 3 ms
+    for 16 rows); a greedy decode step of a small model pays it once per context."""
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.asarray(np.argmax(scores.detach().numpy(), axis=-1), dtype=np.int64))
+    return scores.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor, samplers: Sampler | Sequence[Sampler], generators: Generators = None
 ) -> torch.Tensor:
@@ -303,10 +316,10 @@ def sample(
     out = torch.empty(n, dtype=torch.long, device=scores.device)
     greedy = [i for i, s in enumerate(rows) if s.is_greedy]
     if len(greedy) == n:  # the common all-greedy batch: no row gather
-        return scores.argmax(dim=-1)
+        return argmax(scores)
     if greedy:
         idx = torch.tensor(greedy, device=scores.device)
-        out[idx] = scores[idx].argmax(dim=-1)
+        out[idx] = argmax(scores[idx])
     plain = [i for i, s in enumerate(rows) if not s.is_greedy and not s.is_custom]
     if plain:
         idx = torch.tensor(plain, device=scores.device)

@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.sampling import Sampler, candidates, dist, generator, probs, sample
+from engine.sampling import Sampler, argmax, candidates, dist, generator, probs, sample
 
 N = 20_000
 DELTA = 1e-6
@@ -120,6 +120,32 @@ def test_greedy_is_argmax() -> None:
     tie = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
     assert sample(tie, Sampler.greedy()).tolist() == [1]  # first maximum, like torch.argmax
     assert torch.equal(probs(tie, Sampler.greedy()), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_argmax_follows_torch_rules(dtype) -> None:
+    """The CPU fast path (numpy) gives torch.argmax's answer: ties, infinities, NaN (the
+    first NaN wins), all -inf, views, 1-D and 2-D, a real vocabulary size."""
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        [0.0, 3.0, 1.0, 3.0],
+        [1.0, nan, 3.0, nan],
+        [-inf, -inf, -inf, -inf],
+        [inf, 1.0, inf, 2.0],
+        [1.0, inf, nan, 0.0],
+        [nan, nan, nan, nan],
+        [-0.0, 0.0, -1.0, -0.0],
+    ]
+    t = torch.tensor(rows, dtype=dtype)
+    assert torch.equal(argmax(t), t.argmax(dim=-1))
+    assert argmax(t).dtype == torch.int64
+    for r in t:
+        assert int(argmax(r)) == int(r.argmax())
+    big = torch.randn(16, 151936, generator=torch.Generator().manual_seed(3)).to(dtype)
+    big[5, 100] = big[5, 7] = big[5].max() + 1  # a tie far apart
+    assert torch.equal(argmax(big), big.argmax(dim=-1))
+    assert torch.equal(argmax(big[::3, 1:]), big[::3, 1:].argmax(dim=-1))  # strided view
+    assert torch.equal(argmax(big.t().contiguous().t()), big.argmax(dim=-1))  # column-major
 
 
 def _hf(logits: torch.Tensor, t: float, k: int | None, p: float, m: float) -> torch.Tensor:
