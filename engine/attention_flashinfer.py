@@ -64,6 +64,10 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 WORKSPACE_BYTES = 128 * 1024 * 1024
 """flashinfer's float workspace (split-KV partial results); its docs recommend 128 MiB."""
 
+KERNEL_HEAD_DIMS = (64, 128, 256)
+"""Head sizes flashinfer ships kernels for (its JIT covers others only when a CUDA
+toolchain is present; unverified here, so other sizes go to the torch backend)."""
+
 PartKind = Literal["decode", "prefill", "custom"]
 
 
@@ -181,11 +185,21 @@ class FlashInferBackend:
 
     name = "flashinfer"
 
-    def __init__(self, device: torch.device | str, *, workspace_bytes: int = WORKSPACE_BYTES):
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        workspace_bytes: int = WORKSPACE_BYTES,
+        head_dims: Sequence[int] | None = KERNEL_HEAD_DIMS,
+    ):
+        """``head_dims``: head sizes sent to flashinfer (None: all); layers with another
+        size use the torch backend."""
         self.device = torch.device(device)
+        self.head_dims = None if head_dims is None else frozenset(head_dims)
         self.workspace_bytes = workspace_bytes
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple[Any, ...], Any] = {}
+        self._fallback_logged: set[int] = set()
 
     def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         TORCH_BACKEND.write(meta, layer, key, value)
@@ -202,6 +216,18 @@ class FlashInferBackend:
     ) -> torch.Tensor:
         kc, vc = meta.pool.kv(layer)
         _, page_size, kv_heads, head_dim = kc.shape
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            # flashinfer's prebuilt kernels cover the usual head sizes only; a layer with
+            # another (tiny test models: 16, 32) is attended by the torch backend, which
+            # is correct on CUDA too.
+            if head_dim not in self._fallback_logged:
+                self._fallback_logged.add(head_dim)
+                log.warning(
+                    "flashinfer: head_dim %d has no kernel; those layers use torch attention", head_dim
+                )
+            return TORCH_BACKEND.attend(
+                meta, layer, query, scaling=scaling, sliding_window=sliding_window, softcap=softcap
+            )
         heads = query.shape[1]
         blocks = layer in meta.block_overlay_layers
         q = query[0].transpose(0, 1)  # (N, heads, head_dim)

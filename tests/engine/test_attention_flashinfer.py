@@ -367,7 +367,7 @@ def fake_models(fake_flashinfer, gemma_blocks_dir):
     out = {}
     for name, src in [(TINY_QWEN, TINY_QWEN), (TINY_GEMMA, TINY_GEMMA), (GEMMA_BLOCKS, gemma_blocks_dir)]:
         model = Model.load(src, kv_pages=512, device="cpu", attention="torch")
-        model.runner.backend = FlashInferBackend("cpu", workspace_bytes=1024)
+        model.runner.backend = FlashInferBackend("cpu", workspace_bytes=1024, head_dims=None)
         model.attention_backend = "flashinfer"
         out[name] = model
     return out
@@ -627,7 +627,7 @@ def _attend_both(
 @pytest.mark.parametrize("variant", [p.values for p in VARIANTS], ids=[p.id for p in VARIANTS])
 def test_fake_attend_equals_torch_attend(fake_flashinfer, variant):
     """Window, softcap and media blocks on a synthetic pool (GQA 4:2, page size 4)."""
-    backend = FlashInferBackend("cpu", workspace_bytes=1024)
+    backend = FlashInferBackend("cpu", workspace_bytes=1024, head_dims=None)
     ours, theirs = _attend_both(backend, "cpu", torch.float32, 4, 8, variant)
     assert (ours - theirs).abs().max().item() < 1e-5
 
@@ -649,6 +649,10 @@ def gpu_pairs(gemma_blocks_dir):
         ref = Model.load(src, kv_pages=512, dtype=torch.bfloat16, attention="torch")
         ours = Model.load(src, kv_pages=512, dtype=torch.bfloat16, attention="flashinfer")
         assert ours.attention_backend == "flashinfer" and ours.device.type == "cuda"
+        # The tiny models' head sizes (16, 32) are outside KERNEL_HEAD_DIMS, so by default
+        # their layers would fall back to torch attention; send every layer to flashinfer so
+        # these tests exercise its kernels (a failure here may mean no kernel for the size).
+        ours.runner.backend = FlashInferBackend("cuda", head_dims=None)
         out[name] = (ref, ours)
     return out
 
@@ -711,3 +715,15 @@ def test_gpu_gemma_sliding_window_and_image_blocks(gpu_pairs, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_greedy_16_tokens(gpu_pairs, name):
     check_greedy(*gpu_pairs[name], f"{name} bf16", n=16, atol=BF16_ATOL)
+
+
+def test_head_sizes_without_kernels_use_torch_attention():
+    """A layer whose head size flashinfer ships no kernel for is attended by the torch
+    backend (no flashinfer call, so this runs on the CPU without it)."""
+    backend = FlashInferBackend("cpu", workspace_bytes=1024)  # default: 64/128/256 only
+    meta, key, value, query = _synthetic_meta(16, 2, 32, torch.float32, "cpu")
+    backend.write(meta, 0, key, value)
+    kw = {"scaling": 32**-0.5, "sliding_window": None, "softcap": None}
+    ours = backend.attend(meta, 0, query, **kw)
+    assert torch.equal(ours, TORCH_BACKEND.attend(meta, 0, query, **kw))
+    assert backend._wrappers == {}  # flashinfer was never asked
