@@ -130,6 +130,9 @@ class Context:
         self._n = 0  # committed rows
         self._cursor = 0  # position of the next appended row
         self._last_logits: torch.Tensor | None = None
+        # After flush(): the last committed row's final hidden state, its logits not yet
+        # computed (the LM head runs only if something samples or asks for them).
+        self._last_hidden: torch.Tensor | None = None
         self._chat = _ChatState()
         self._seed = seed
         self._generator: torch.Generator | None = None
@@ -220,10 +223,13 @@ class Context:
     # -- forward passes ---------------------------------------------------------------------
     async def flush(self, *, return_logits: bool = False) -> torch.Tensor | None:
         """Prefill every pending row. With ``return_logits`` the logits of all of them
-        ((rows, vocab) float32) come back, and the prefix cache is not used."""
+        ((rows, vocab) float32) come back, and the prefix cache is not used. Without, no
+        logits are computed now: the next sample or ``next_token_logits`` applies the LM
+        head to the kept last hidden state (a flushed prefix that is only forked pays no
+        head)."""
         self._check_open()
         with self._guard():
-            return await self._prefill("all" if return_logits else "last")
+            return await self._prefill("all" if return_logits else "hidden")
 
     async def decode_step_dist(
         self, sampler: sampling.Sampler | None = None, *, top_n: int | None = None
@@ -316,6 +322,7 @@ class Context:
         child._n = self._n
         child._cursor = self._cursor
         child._last_logits = self._last_logits
+        child._last_hidden = self._last_hidden
         child._chat = self._chat.copy()
         if self._generator is not None:
             child._generator = torch.Generator(device=self._generator.device)
@@ -362,7 +369,7 @@ class Context:
                 self._pool.decref(drop)
             del self._table.pages[keep:]
             del self._table.keys[n // self._pool.page_size :]
-            self._last_logits = None
+            self._last_logits = self._last_hidden = None
         if self._chat.open_turn and removed:
             keep_turn = max(0, len(self._chat.turn_tokens) - removed)
             del self._chat.turn_tokens[keep_turn:]
@@ -387,7 +394,7 @@ class Context:
         self._finalizer.detach()
         self._rows = []
         self._n = 0
-        self._last_logits = None
+        self._last_logits = self._last_hidden = None
 
     def __enter__(self) -> Context:
         return self
@@ -557,6 +564,9 @@ class Context:
     async def _ensure_logits(self) -> None:
         if self.pending:
             await self._prefill("last")
+        if self._last_logits is None and self._last_hidden is not None:
+            self._last_logits = await self.model.scheduler.logits_of(self._last_hidden)
+            self._last_hidden = None
         if self._last_logits is None:
             if self._n == 0:
                 raise InvalidRequestError("the context is empty: fill something before sampling")
@@ -571,7 +581,9 @@ class Context:
 
     async def _prefill(self, want: LogitsWanted) -> torch.Tensor | None:
         """Commit every pending row; ``want``: "last" keeps the last row's logits for
-        sampling, "all" also returns every row's logits (and computes every row)."""
+        sampling, "hidden" keeps its final hidden state instead (the head runs later, if
+        ever: ``_ensure_logits``), "all" also returns every row's logits (and computes
+        every row)."""
         total = len(self._rows)
         collected: list[torch.Tensor] = []
         while self._n < total:
@@ -589,7 +601,11 @@ class Context:
             if want == "all" and result is not None:
                 collected.append(result)
             if end == total:
-                self._last_logits = result[-1] if want == "all" else result
+                if want == "hidden":
+                    self._last_logits, self._last_hidden = None, result
+                else:
+                    self._last_logits = result[-1] if want == "all" else result
+                    self._last_hidden = None
         if want == "all":
             return torch.cat(collected) if collected else torch.empty(0, self.model.arch.vocab_size)
         return None

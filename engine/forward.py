@@ -24,7 +24,9 @@ from engine.kv_pool import KVPool
 if TYPE_CHECKING:
     from encoders import Encoded, Prepared
 
-LogitsWanted = Literal["none", "last", "all"]
+LogitsWanted = Literal["none", "last", "all", "hidden"]
+"""What a step gets back: nothing, the last row's logits, every row's logits, or the last
+row's final hidden state (for a caller that may apply the LM head later, or never)."""
 Encode = Callable[[list["Prepared"]], list["Encoded"]]
 
 
@@ -73,7 +75,8 @@ class ForwardRunner:
         self.rows_computed = 0
 
     def run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
-        """Logits per step: (V,) for "last", (rows, V) for "all", None for "none"."""
+        """Per step: (V,) logits for "last", (rows, V) for "all", the last row's (H,) final
+        hidden state for "hidden", None for "none"."""
         if not steps:
             return []
         dev = self.device
@@ -150,14 +153,20 @@ class ForwardRunner:
             logits = None
             if want_rows:
                 logits = self.arch.logits(hidden[torch.cat(want_rows).to(dev)]).float()
+            last_hidden = [
+                hidden[seq.q_start + seq.q_len - 1].clone() if step.logits == "hidden" else None
+                for step, seq in zip(steps, seqs, strict=True)
+            ]
         self.passes += 1
         self.rows_computed += start
 
         out: list[torch.Tensor | None] = []
         at = 0
-        for step in steps:
+        for step, h in zip(steps, last_hidden, strict=True):
             if step.logits == "none":
                 out.append(None)
+            elif step.logits == "hidden":
+                out.append(h)
             elif step.logits == "last":
                 assert logits is not None
                 out.append(logits[at])
@@ -168,6 +177,11 @@ class ForwardRunner:
                 out.append(logits[at : at + n])
                 at += n
         return out
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(V,) float32 logits of one final hidden state kept by a "hidden" step."""
+        with torch.inference_mode():
+            return self.arch.logits(hidden[None].to(self.device))[0].float()
 
     def _encode(self, media: list[MediaRows]) -> tuple[list[torch.Tensor], list[list[torch.Tensor] | None]]:
         """Encoder output rows for every media slice of the batch: each distinct item runs

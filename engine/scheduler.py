@@ -55,6 +55,17 @@ class Scheduler:
             task.add_done_callback(self._tasks.discard)
         return await fut
 
+    async def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on one kept hidden state, on the forward worker (between passes),
+        so it neither blocks the event loop nor competes with a pass for the cores."""
+        loop = asyncio.get_running_loop()
+
+        def head() -> torch.Tensor:
+            with self._lock:
+                return self.runner.logits_of(hidden)
+
+        return await loop.run_in_executor(self._executor, head)
+
     def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
             return self.runner.run(steps)

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
+import torch
+
 from engine import sampling, stopping
 from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.model import Model
@@ -88,6 +90,9 @@ class SyncContext:
         self, sampler: sampling.Sampler | None = None, *, top_n: int | None = None
     ) -> Distribution:
         return run_sync(self.ctx.decode_step_dist(sampler, top_n=top_n))
+
+    def next_token_logits(self) -> torch.Tensor:
+        return run_sync(self.ctx.next_token_logits())
 
     def generate(
         self,

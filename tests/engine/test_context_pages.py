@@ -279,3 +279,37 @@ def test_close_during_a_pass_releases_after_it(gemma):
 
     asyncio.run(go())
     assert _in_use(gemma) == before
+
+
+def test_flush_defers_the_lm_head_until_something_needs_logits(qwen, monkeypatch):
+    """flush() keeps the last row's hidden state; the head runs once, when logits are
+    needed, and gives what an immediate head gives. A flushed prefix that is only forked
+    (and whose forks go on) never pays the head for its own last row."""
+    calls = []
+    head = qwen.runner.arch.logits
+
+    def counting(hidden):
+        calls.append(hidden.shape[0])
+        return head(hidden)
+
+    monkeypatch.setattr(qwen.runner.arch, "logits", counting)
+    ctx = SyncContext(qwen).user(LONG)
+    ctx.flush()
+    assert calls == []  # no head yet
+    child = ctx.fork().fill(" and then")
+    child.flush()
+    assert calls == []
+    lazy = ctx.next_token_logits()
+    assert calls == [1]
+    assert torch.equal(ctx.next_token_logits(), lazy)  # computed once, kept
+    assert calls == [1]
+    eager = SyncContext(qwen).user(LONG).flush(return_logits=True)[-1]
+    assert_logits_close(lazy, eager, "lazy head after flush vs logits of the pass")
+    # sampling right after a flush uses the kept state: same tokens as without the flush
+    assert _greedy(child) == _greedy(SyncContext(qwen).user(LONG).fill(" and then"))
+    # truncating drops the kept state; the next sample recomputes the last row
+    ctx.fill(" more").flush()
+    ctx.rewind(1)
+    assert_logits_close(ctx.next_token_logits(), lazy, "after rewind to the flushed prefix")
+    for c in (ctx, child):
+        c.close()
