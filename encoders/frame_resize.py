@@ -14,9 +14,9 @@ def resize_frames_like_torchvision(
     frames: torch.Tensor, height: int, width: int, resample: int
 ) -> torch.Tensor:
     """``torchvision.transforms.v2.functional.resize(frames, [height, width], resample,
-    antialias=True)`` on a uint8 (N, 3, H, W) CPU tensor in any memory layout: bicubic runs torch's native uint8
-    kernel; bilinear does on AVX2 CPUs and otherwise goes float32 -> interpolate -> round;
-    nearest ignores antialiasing."""
+    antialias=True)`` on a uint8 (N, 3, H, W) CPU tensor in any memory layout: bicubic
+    runs torch's native uint8 kernel; bilinear does on AVX2 CPUs and otherwise goes
+    float32 -> interpolate -> round; nearest ignores antialiasing."""
     if tuple(frames.shape[-2:]) == (height, width):
         return frames
     mode = TORCH_MODES[resample]

@@ -417,11 +417,9 @@ class Gemma4Encoder(MediaEncoder):
         th, tw = aspect_ratio_preserving_size(height, width, s.patch_size, max_patches, s.pooling_kernel_size)
         if not s.do_resize:
             th, tw = height, width
+        # A channels-last (N, C, H, W) view of the decoded frames: no transposing copy.
         resized = resize_frames_like_torchvision(
-            torch.from_numpy(frames).permute(0, 3, 1, 2),
-            th,
-            tw,
-            s.resample,  # channels-last view
+            torch.from_numpy(frames).permute(0, 3, 1, 2), th, tw, s.resample
         )
         pixels = resized.permute(0, 2, 3, 1).numpy()
         values, positions, real = patchify(pixels, s.patch_size, self._video_table, max_patches)

@@ -84,6 +84,15 @@ def flashinfer_available() -> tuple[bool, str]:
     return True, f"flashinfer {getattr(flashinfer, '__version__', '(unknown version)')}"
 
 
+def check_attention_choice(attention: str) -> None:
+    """``InvalidRequestError`` unless ``attention`` names a backend choice."""
+    if attention not in ATTENTION_CHOICES:
+        raise InvalidRequestError(
+            f"unknown attention backend {attention!r}; expected one of {', '.join(ATTENTION_CHOICES)}",
+            attention=attention,
+        )
+
+
 def select_backend(attention: str, *, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """The backend ``Model.load(attention=...)`` asked for.
 
@@ -91,11 +100,7 @@ def select_backend(attention: str, *, device: torch.device, dtype: torch.dtype) 
     ``AttentionBackendUnavailableError`` saying why it cannot be used. ``"auto"``:
     flashinfer when the device is CUDA, the dtype is float16/bfloat16 and flashinfer
     imports; else torch (the reason is logged)."""
-    if attention not in ATTENTION_CHOICES:
-        raise InvalidRequestError(
-            f"unknown attention backend {attention!r}; expected one of {', '.join(ATTENTION_CHOICES)}",
-            attention=attention,
-        )
+    check_attention_choice(attention)
     if attention == "torch":
         return TORCH_BACKEND
     why_not = _flashinfer_unusable(device, dtype)

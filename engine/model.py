@@ -25,7 +25,7 @@ import torch
 from engine.architectures import Architecture, architecture_class
 from engine.attention import AttentionBackend
 from engine.attention import register as register_attention
-from engine.attention_flashinfer import ATTENTION_CHOICES, select_backend
+from engine.attention_flashinfer import check_attention_choice, select_backend
 from engine.errors import (
     CheckpointShapeError,
     InvalidRequestError,
@@ -193,11 +193,7 @@ class Model:
         imports, else torch), "torch" or "flashinfer" (``AttentionBackendUnavailableError``
         when it cannot run here); validated but unused for speech checkpoints.
         """
-        if attention not in ATTENTION_CHOICES:  # checked here too: speech checkpoints ignore it
-            raise InvalidRequestError(
-                f"unknown attention backend {attention!r}; expected one of {', '.join(ATTENTION_CHOICES)}",
-                attention=attention,
-            )
+        check_attention_choice(attention)  # before the speech branch, which ignores it
         path = resolve_checkpoint(path_or_name)
         config = _read_config(path)
         if (config.get("architectures") or [None])[0] == "CsmForConditionalGeneration":
