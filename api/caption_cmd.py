@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from media import Image, MediaError
+from media import Image, PieMediaError
 
 
 def run_caption(
@@ -57,7 +57,7 @@ def run_caption(
     for f in files:
         try:
             images[f] = Image.from_path(f)
-        except MediaError as e:
+        except PieMediaError as e:
             results[f] = {"error": e.to_dict()}
         except OSError as e:
             results[f] = {"error": {"code": "not_found", "message": str(e)}}

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "inspect":
         from api.inspect_cmd import run_inspect
+        from media import PieMediaError
 
         if args.max_frames < 1:
             print("pie-media: --max-frames must be >= 1", file=sys.stderr)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as e:
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
-        except ValueError as e:  # MediaError subclasses (unsupported model, ...) are ValueErrors
+        except PieMediaError as e:  # unsupported model, bad arguments, ...
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
     if args.command == "caption":

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from media import Audio, Image, MediaError, MediaLimits, Video
+from media import Audio, Image, MediaLimits, PieMediaError, Video
 from media.detect import open_media
 
 
@@ -108,10 +108,10 @@ def run_inspect(
             if encoder is not None:
                 try:
                     info["model_view"] = describe_for_model(encoder, media)
-                except MediaError as e:
+                except PieMediaError as e:
                     failed = True
                     info["model_view"] = {"error": e.to_dict()}
-        except MediaError as e:
+        except PieMediaError as e:
             failed = True
             info = {"error": e.to_dict()}
         except OSError as e:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from media import DEFAULT_LIMITS, Image, MediaError, content_hash
+from media import DEFAULT_LIMITS, Image, PieMediaError, content_hash
 
 
 @dataclass
@@ -124,7 +124,7 @@ def _load(path: Path) -> tuple[Image | None, str | None, dict[str, Any] | None]:
         )
     try:
         image = Image.from_bytes(raw)
-    except MediaError as e:
+    except PieMediaError as e:
         return None, content_hash(raw), e.to_dict()
     return image, image.content_hash, None
 

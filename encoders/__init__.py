@@ -3,13 +3,14 @@ towers. Knows nothing about KV pages."""
 
 from encoders.base import MediaEncoder, model_fingerprint
 from encoders.cache import CacheStats, EncoderCache
-from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
+from encoders.errors import EncoderError, UnsupportedMediaKindError, UnsupportedModelError
 from encoders.prepared import Encoded, Prepared
 from encoders.registry import encoder_for
 
 __all__ = [
     "CacheStats",
     "Encoded",
+    "EncoderError",
     "EncoderCache",
     "MediaEncoder",
     "Prepared",

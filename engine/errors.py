@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from media.errors import InvalidRequestError, PieMediaError  # noqa: F401  (one class for every room)
 
 
-class EngineError(Exception):
+class EngineError(PieMediaError):
     """Base class of everything the engine raises on purpose."""
 
     code: str = "engine_error"
-
-    def __init__(self, message: str, **details: Any):
-        super().__init__(message)
-        self.message = message
-        self.details = details
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, **self.details}
 
 
 class ModelLoadError(EngineError):
@@ -65,9 +57,6 @@ class SavedContextNotFoundError(EngineError, KeyError):
 
     code = "saved_context_not_found"
 
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return self.message
-
 
 class SavedContextExistsError(EngineError):
     """A context is already saved under that name."""
@@ -75,50 +64,44 @@ class SavedContextExistsError(EngineError):
     code = "saved_context_exists"
 
 
-class InvalidRequestError(EngineError, ValueError):
-    """The call's arguments make no sense for this context or model."""
-
-    code = "invalid_request"
-
-
-class AttentionBackendUnavailableError(InvalidRequestError):
+class AttentionBackendUnavailableError(EngineError, InvalidRequestError):
     """The attention backend asked for (``details['backend']``) cannot run here; the
     message says why (no CUDA device, an unsupported dtype, flashinfer not installed)."""
 
     code = "attention_backend_unavailable"
 
 
-class NoSpeechHeadError(InvalidRequestError):
+class NoSpeechHeadError(EngineError, InvalidRequestError):
     """``speak`` was called on a model that cannot produce speech (no CSM speech head)."""
 
     code = "no_speech_head"
 
 
-class EmptyTextError(InvalidRequestError):
+class EmptyTextError(EngineError, InvalidRequestError):
     """There is no text to speak."""
 
     code = "empty_text"
 
 
-class TextTooLongError(InvalidRequestError):
+class TextTooLongError(EngineError, InvalidRequestError):
     """The text to speak is over the token limit (``details['limit']``)."""
 
     code = "text_too_long"
 
 
-class UnsupportedVoiceError(InvalidRequestError):
+class UnsupportedVoiceError(EngineError, InvalidRequestError):
     """The voice selector (speaker) is not an allowed speaker id or a known preset."""
 
     code = "unsupported_voice"
 
 
-class UnsupportedAudioFormatError(InvalidRequestError):
+class UnsupportedAudioFormatError(EngineError, InvalidRequestError):
     """An output audio format the engine cannot encode."""
 
     code = "unsupported_audio_format"
 
 
-class InvalidDurationError(InvalidRequestError):
+class InvalidDurationError(EngineError, InvalidRequestError):
     """``max_duration`` is not a positive number of seconds."""
 
     code = "invalid_max_duration"

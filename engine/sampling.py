@@ -21,13 +21,14 @@ so a seeded context yields the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from media import InvalidRequestError, check_int, check_number
 
 CustomFn = Callable[[list[int], list[float]], int]
 """A custom sampler: (candidate ids, their probabilities), most probable first -> chosen id."""
@@ -51,21 +52,15 @@ class Sampler:
     candidates: int | None = 256
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        k = self.topk
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
-        if isinstance(self.topp, bool) or not isinstance(self.topp, int | float) or not 0 < self.topp <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.topp!r}")
-        if isinstance(self.minp, bool) or not isinstance(self.minp, int | float) or not 0 <= self.minp <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.minp!r}")
+        check_number("temperature (0 = greedy)", self.temperature, min=0)
+        if self.topk is not None:
+            check_int("top_k", self.topk, min=1)
+        check_number("top_p", self.topp, min=0, max=1, min_open=True)
+        check_number("min_p", self.minp, min=0, max=1)
         if self.fn is not None and not callable(self.fn):
-            raise ValueError(f"custom sampler must be callable, got {type(self.fn).__name__}")
-        n = self.candidates
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"candidates must be an integer >= 1 or None (all tokens), got {n!r}")
+            raise InvalidRequestError(f"custom sampler must be callable, got {type(self.fn).__name__}")
+        if self.candidates is not None:
+            check_int("candidates (None = all tokens)", self.candidates, min=1)
 
     # --- Pie's constructors -------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from media import check_int
+
 Kind = Literal["length", "eos", "stop_string"]
 _PRIORITY: dict[str, int] = {"stop_string": 0, "eos": 1, "length": 2}
 
@@ -74,8 +76,7 @@ class MaxTokens(StopCondition):
     n: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.n!r}")
+        check_int("max_tokens", self.n, min=1)
 
     def start(self) -> Tracker:
         return _Stateless(self)
@@ -164,8 +165,8 @@ def max_tokens(n: int) -> MaxTokens:
 def eos(ids: int | Iterable[int]) -> Eos:
     """Stop when the last generated token is one of `ids` ("eos"); the EOS token stays in the ids."""
     ids = [ids] if isinstance(ids, int) else list(ids)
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"eos ids must be non-negative integers, got {ids!r}")
+    for i in ids:
+        check_int("eos ids", i, min=0)
     return Eos(frozenset(ids))
 
 

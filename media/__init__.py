@@ -9,11 +9,13 @@ from media.errors import (
     MediaError,
     MediaTooLargeError,
     MediaTooLongError,
+    PieMediaError,
     UnsupportedFormatError,
 )
 from media.hashing import content_hash
 from media.image import Image
 from media.limits import DEFAULT_LIMITS, MediaLimits
+from media.validation import check_int, check_number
 from media.video import DecodePlan, SampledFrames, SkippedFrame, Video
 
 __all__ = [
@@ -28,9 +30,12 @@ __all__ = [
     "MediaLimits",
     "MediaTooLargeError",
     "MediaTooLongError",
+    "PieMediaError",
     "SampledFrames",
     "SkippedFrame",
     "UnsupportedFormatError",
     "Video",
+    "check_int",
+    "check_number",
     "content_hash",
 ]

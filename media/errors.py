@@ -1,8 +1,10 @@
-"""Typed media errors.
+"""The project's one error base, and the typed media errors.
 
-Every failure to turn user bytes into a media object ends in a ``MediaError``
-subclass with a stable ``code`` (for APIs and logs), a message that says what was
-wrong, and, where a limit was crossed, the ``limit`` and the ``actual`` value.
+Every error any room (media, encoders, engine, speech) raises on purpose is a
+``PieMediaError``: it has a stable ``code`` (for APIs and logs), a ``message`` that says
+what was wrong and what to do, and ``details`` (``limit``, ``actual``, ``kind``, ...).
+The HTTP layer maps these to statuses in one table. The base lives here because
+``media`` is the bottom room that every other room already imports.
 """
 
 from __future__ import annotations
@@ -10,28 +12,49 @@ from __future__ import annotations
 from typing import Any
 
 
-class MediaError(ValueError):
-    """Base class: the bytes could not become a usable media object."""
+class PieMediaError(Exception):
+    """Base class of every error raised on purpose anywhere in pie-media."""
 
-    code: str = "media_error"
+    code: str = "pie_media_error"
 
-    def __init__(self, message: str, *, limit: Any = None, actual: Any = None, kind: str | None = None):
+    def __init__(self, message: str, **details: Any):
         super().__init__(message)
         self.message = message
-        self.limit = limit
-        self.actual = actual
-        self.kind = kind
+        self.details = {k: v for k, v in details.items() if v is not None}
+
+    def __getattr__(self, name: str) -> Any:
+        # ``err.limit`` / ``err.actual`` / ``err.kind`` read the details (None when absent).
+        if name in ("limit", "actual", "kind") or (
+            not name.startswith("_") and name in self.__dict__.get("details", {})
+        ):
+            return self.__dict__.get("details", {}).get(name)
+        raise AttributeError(name)
+
+    def __str__(self) -> str:  # also for KeyError subclasses, which would repr() the message
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready description (used by the CLI and the HTTP API)."""
-        out: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.kind is not None:
-            out["kind"] = self.kind
-        if self.limit is not None:
-            out["limit"] = self.limit
-        if self.actual is not None:
-            out["actual"] = self.actual
-        return out
+        return {"code": self.code, "message": self.message, **self.details}
+
+
+class InvalidRequestError(PieMediaError, ValueError):
+    """The caller's parameters (not the bytes) are invalid, e.g. a negative fps or a
+    ``max_tokens`` of zero. One class for every room."""
+
+    code = "invalid_request"
+
+
+class MediaError(PieMediaError, ValueError):
+    """The bytes could not become a usable media object."""
+
+    code = "media_error"
+
+    def __init__(self, message: str, *, limit: Any = None, actual: Any = None, kind: str | None = None):
+        super().__init__(message, kind=kind, limit=limit, actual=actual)
 
 
 class UnsupportedFormatError(MediaError):
@@ -62,9 +85,3 @@ class EmptyMediaError(MediaError):
     """No bytes, no samples, no frames."""
 
     code = "empty"
-
-
-class InvalidRequestError(MediaError):
-    """The caller's parameters (not the bytes) are invalid, e.g. a negative fps."""
-
-    code = "invalid_request"
