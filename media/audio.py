@@ -65,6 +65,7 @@ from media.errors import (
     MediaError,
     MediaTooLargeError,
     MediaTooLongError,
+    PieMediaError,
     UnsupportedFormatError,
 )
 from media.hashing import content_hash
@@ -507,7 +508,7 @@ def _as_corrupt(label: str, exc: BaseException) -> CorruptMediaError:
 def _try_av(data: bytes, limits: MediaLimits, label: str | None) -> _Decoded:
     try:
         return _decode_av(data, limits, label)
-    except MediaError:
+    except PieMediaError:
         raise
     except MemoryError as e:
         raise MediaTooLargeError(
@@ -551,7 +552,7 @@ def _decode_with_fallback(data: bytes, limits: MediaLimits, label: str) -> _Deco
                 decoded = _read_sndfile(f, limits, len(data))
         except _NeedsFFmpeg:
             return _try_av(data, limits, label)
-        except MediaError:
+        except PieMediaError:
             raise
         except MemoryError as e:
             raise MediaTooLargeError(f"{label} needs more memory than available to decode", kind=KIND) from e
@@ -642,7 +643,7 @@ class Audio:
             if not raw:
                 raise EmptyMediaError("audio input is empty (0 bytes)", actual=0, kind=KIND)
             decoded = _decode(raw, limits, container=container)
-        except MediaError:
+        except PieMediaError:
             raise
         except MemoryError as e:
             raise MediaTooLargeError("audio needs more memory than available to decode", kind=KIND) from e

@@ -4,7 +4,7 @@ suggest; the first decoder that recognises the format decides (its error include
 from __future__ import annotations
 
 from media.audio import Audio
-from media.errors import EmptyMediaError, MediaError, UnsupportedFormatError
+from media.errors import EmptyMediaError, MediaError, PieMediaError, UnsupportedFormatError
 from media.image import Image
 from media.limits import DEFAULT_LIMITS, MediaLimits
 from media.video import Video
@@ -60,7 +60,7 @@ def open_media(data: bytes, limits: MediaLimits | None = None, kind: str | None 
             return cls.from_bytes(data, limits)
         except UnsupportedFormatError as e:
             first_error = first_error or e
-        except MediaError:
+        except PieMediaError:
             raise
     raise UnsupportedFormatError(
         "not a recognised image, audio or video format (tried Pillow, PyAV and libsndfile); "

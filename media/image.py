@@ -60,8 +60,8 @@ from media.errors import (
     CorruptMediaError,
     EmptyMediaError,
     InvalidRequestError,
-    MediaError,
     MediaTooLargeError,
+    PieMediaError,
     UnsupportedFormatError,
 )
 from media.hashing import content_hash
@@ -217,7 +217,7 @@ class Image:
         try:
             src = _open_lazily(raw)
             rgb, fmt, source_mode, source_size, salt = _decode(src, limits, bg, target)
-        except MediaError:
+        except PieMediaError:
             raise
         except PILImage.DecompressionBombError as e:
             raise _too_large_from_pillow(e, limits) from None
@@ -264,7 +264,7 @@ class Image:
                 limits.check_bytes(st.st_size, KIND)
             with p.open("rb") as f:
                 data = f.read(limits.max_bytes + 1)
-        except MediaError:
+        except PieMediaError:
             raise
         except (OSError, ValueError) as e:
             raise InvalidRequestError(
@@ -344,7 +344,7 @@ class Image:
             rgb, fmt, source_mode, source_size, _salt = _decode(image, limits, bg, None)
             if rgb is image:
                 rgb = image.copy()
-        except MediaError:
+        except PieMediaError:
             raise
         except PILImage.DecompressionBombError as e:
             raise _too_large_from_pillow(e, limits) from None

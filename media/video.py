@@ -68,6 +68,7 @@ from media.errors import (
     MediaError,
     MediaTooLargeError,
     MediaTooLongError,
+    PieMediaError,
     UnsupportedFormatError,
 )
 from media.hashing import content_hash
@@ -307,8 +308,8 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _convert(exc: BaseException, what: str, default: type[MediaError] = CorruptMediaError) -> MediaError:
-    if isinstance(exc, MediaError):
+def _convert(exc: BaseException, what: str, default: type[MediaError] = CorruptMediaError) -> PieMediaError:
+    if isinstance(exc, PieMediaError):
         return exc
     if isinstance(exc, MemoryError):
         return MediaTooLargeError(f"{what}: ran out of memory while decoding", kind=KIND)
@@ -425,7 +426,7 @@ class _AVSource:
         default = CorruptMediaError if sniffed in _VIDEO_CONTAINERS else UnsupportedFormatError
         try:
             container = self._open()
-        except MediaError:
+        except PieMediaError:
             raise
         except _DECODE_ERRORS as e:
             name = sniffed or "the data"
@@ -570,7 +571,7 @@ class _AVSource:
                         pts.append(packet.pts)
                         if packet.is_keyframe:
                             key_pts.append(packet.pts)
-            except MediaError:
+            except PieMediaError:
                 raise
             except _DECODE_ERRORS as e:
                 error = f"demuxing stopped after {n} packets: {_describe(e)}"
