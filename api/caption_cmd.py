@@ -31,10 +31,10 @@ def run_caption(
     progress: bool = True,
 ) -> int:
     from api.jobs import expand_paths, run_caption_job
-    from api.model_ref import resolve_model_ref
+    from api.model_ref import resolve_model_dir
     from engine import Model, caption_many_async
 
-    loaded = Model.load(resolve_model_ref(model))
+    loaded = Model.load(resolve_model_dir(model))
     if out is not None:
         s = run_caption_job(
             files,

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command == "caption":
         from api.caption_cmd import run_caption
+        from media import PieMediaError
 
         if args.max_tokens < 1:
             print("pie-media: --max-tokens must be >= 1", file=sys.stderr)
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 concurrency=args.concurrency,
                 progress=not args.no_progress,
             )
-        except (FileNotFoundError, ValueError) as e:  # unknown model dir, unsupported architecture, ...
+        except (FileNotFoundError, ValueError, PieMediaError) as e:  # unknown model, bad checkpoint, ...
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
     if args.command == "speak":

@@ -1,32 +1,78 @@
-"""Resolve what a user typed after ``--model``: a checkpoint directory, or the name of a
-tiny fixture checkpoint (``tiny`` = ``tiny-qwen3-vl``), built on first use."""
+"""What a user names as a model: a checkpoint directory, or a tiny fixture checkpoint
+(``tiny`` = ``tiny-qwen3-vl``, ``tiny-gemma4``, ``tiny-csm``), built on first use.
+
+This is the one place tiny names are resolved, and ``load_model`` the one entry point that
+loads any checkpoint by its architecture: a CSM checkpoint as a ``speech.SpeechModel``,
+everything else as an ``engine.Model`` (which refuses architectures it does not serve).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine import MissingCheckpointFileError
+
+if TYPE_CHECKING:
+    from engine import Model
+    from speech import SpeechModel
 
 TINY_ALIASES = {"tiny": "tiny-qwen3-vl"}
 
 
-def resolve_model_dir(ref: str) -> Path:
-    from fixtures.tiny_models import TINY_MODELS, ensure_tiny_model
+class ModelNotFoundError(MissingCheckpointFileError):
+    """The model named is neither a checkpoint directory nor a tiny model name."""
 
-    name = TINY_ALIASES.get(ref, ref)
-    if name in TINY_MODELS:
-        return ensure_tiny_model(name)
-    path = Path(ref).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"--model {ref!r} is neither a checkpoint directory nor a tiny model name "
-            f"({', '.join(('tiny',) + TINY_MODELS)})"
-        )
-    return path
+    code = "model_not_found"
 
 
-def resolve_model_ref(ref: str) -> str | Path:
-    """What ``engine.Model.load`` takes: a tiny model's name as is, else a directory."""
+def tiny_model_names() -> tuple[str, ...]:
     from fixtures.tiny_models import TINY_MODELS
 
-    if ref in TINY_ALIASES or ref in TINY_MODELS:
-        return TINY_ALIASES.get(ref, ref)
-    return resolve_model_dir(ref)
+    return (*TINY_ALIASES, *TINY_MODELS)
+
+
+def resolve_model_dir(ref: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory ``ref`` names: a tiny model's folder (built on first use) or
+    ``ref`` itself; ``ModelNotFoundError`` (a ``MissingCheckpointFileError``) when it is neither."""
+    from fixtures.tiny_models import TINY_MODELS, ensure_tiny_model
+
+    names = ", ".join(tiny_model_names())
+    if not isinstance(ref, str | os.PathLike):
+        raise ModelNotFoundError(
+            f"a model is a checkpoint directory or a tiny model name ({names}), got {ref!r}"
+        )
+    text = os.fspath(ref)
+    name = TINY_ALIASES.get(text, text)
+    if name in TINY_MODELS:
+        return ensure_tiny_model(name)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if name.startswith("tiny-") and not path.exists():
+        raise ModelNotFoundError(f"unknown tiny model {text!r}; expected one of {names}", path=str(path))
+    raise ModelNotFoundError(
+        f"model {text!r} is neither a checkpoint directory nor a tiny model name ({names})", path=str(path)
+    )
+
+
+def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechModel:
+    """Load what ``ref`` names (see ``resolve_model_dir``), dispatched by the exact
+    ``architectures[0]`` of its config.json: ``CsmForConditionalGeneration`` gives a
+    ``speech.SpeechModel`` (keyword arguments: ``device``, ``dtype``), anything else
+    ``engine.Model.load(dir, **kwargs)``. Keyword arguments the speech model does not take
+    are an ``InvalidRequestError`` naming them."""
+    from engine import InvalidRequestError, Model, architecture_name, read_config
+    from speech import CSM_ARCHITECTURE, SpeechModel
+
+    path = resolve_model_dir(ref)
+    if architecture_name(read_config(path)) == CSM_ARCHITECTURE:
+        extra = sorted(set(kwargs) - {"device", "dtype"})
+        if extra:
+            raise InvalidRequestError(
+                f"{', '.join(extra)}: not options of a speech model ({CSM_ARCHITECTURE} takes device, dtype)",
+                options=extra,
+            )
+        return SpeechModel.load(path, **kwargs)
+    return Model.load(path, **kwargs)

@@ -1,8 +1,9 @@
 """``pie-media speak TEXT --out FILE``: text to speech with a CSM checkpoint.
 
 The format comes from ``fmt`` or else the file extension (.wav .flac .mp3 .opus/.ogg .pcm; ``pcm`` is
-raw little-endian float32, ``s16le`` raw 16-bit). Prints the duration and sample rate; a typed engine
-error is printed with its code and the exit status is 2.
+raw little-endian float32, ``s16le`` raw 16-bit). Prints the duration and sample rate; a typed error
+(a model that cannot speak, a bad request, a checkpoint that does not load) is printed with its code
+and the exit status is 2.
 """
 
 from __future__ import annotations
@@ -22,20 +23,17 @@ def run_speak(
     temperature: float | None = None,
     seed: int | None = None,
 ) -> int:
-    from api.model_ref import resolve_model_ref
-    from engine import EngineError, Model
-    from engine.speech_codecs import format_from_extension, normalize_format
+    from api.model_ref import resolve_model_dir
+    from media import PieMediaError
+    from speech import SpeechModel, format_from_extension, normalize_format
 
     try:
         fmt = normalize_format(fmt) if fmt is not None else format_from_extension(str(out_path))
-        loaded = Model.load(resolve_model_ref(model))
+        loaded = SpeechModel.load(resolve_model_dir(model))
         speech = loaded.speak(text, speaker, max_duration=max_duration, temperature=temperature, seed=seed)
         data = speech.encode(fmt)
-    except EngineError as e:
+    except PieMediaError as e:
         print(f"pie-media: {e.code}: {e.message}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"pie-media: model_not_found: {e}", file=sys.stderr)
         return 2
     try:
         Path(out_path).write_bytes(data)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,13 +22,12 @@ import torch
 
 def _build_big():
     import tempfile
-    from pathlib import Path
 
     from transformers import CsmConfig, CsmForConditionalGeneration
 
-    from engine.model import resolve_checkpoint
+    from fixtures.tiny_models import ensure_tiny_model
 
-    tiny = resolve_checkpoint("tiny-csm")
+    tiny = ensure_tiny_model("tiny-csm")
     base = CsmConfig.from_pretrained(tiny).to_dict()
     base.update(
         hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, head_dim=32
@@ -52,12 +52,12 @@ def _build_big():
     return out
 
 
-def bench(ref_name: str, frames: int, repeats: int) -> None:
+def bench(checkpoint: Path, frames: int, repeats: int) -> None:
     from transformers import AutoProcessor, CsmForConditionalGeneration
 
-    from engine import Model
+    from speech import SpeechModel
 
-    ours = Model.load(ref_name, device="cpu")
+    ours = SpeechModel.load(checkpoint, device="cpu")
     ref = CsmForConditionalGeneration.from_pretrained(ours.path).eval()
     processor = AutoProcessor.from_pretrained(ours.path)
     text = "Hello there, how are you today?"
@@ -127,13 +127,15 @@ def main() -> None:
     parser.add_argument("--big", action="store_true", help="also a random CSM with hidden 256, 4 layers")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    bench("tiny-csm", args.frames, args.repeats)
+    from fixtures.tiny_models import ensure_tiny_model
+
+    bench(ensure_tiny_model("tiny-csm"), args.frames, args.repeats)
     if args.big:
         import shutil
 
         big = _build_big()
         try:
-            bench(str(big), args.frames, args.repeats)
+            bench(big, args.frames, args.repeats)
         finally:
             shutil.rmtree(big, ignore_errors=True)
 

@@ -6,45 +6,39 @@ Knows nothing about HTTP or WASM. Import what you need from here::
 """
 
 from engine.caption import caption, caption_async, caption_many, caption_many_async
+from engine.checkpoint import (
+    architecture_name,
+    check_tokenizer,
+    check_weights,
+    default_device,
+    load_part,
+    load_pretrained,
+    place_model,
+    read_config,
+    resolve_checkpoint,
+)
 from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.errors import (
     AttentionBackendUnavailableError,
     CheckpointShapeError,
     ContextClosedError,
-    EmptyTextError,
     EngineError,
-    InvalidDurationError,
     InvalidRequestError,
     MissingCheckpointFileError,
     ModelLoadError,
-    NoSpeechHeadError,
     OutOfPagesError,
     SavedContextExistsError,
     SavedContextNotFoundError,
-    TextTooLongError,
     UnsupportedArchitectureError,
-    UnsupportedAudioFormatError,
-    UnsupportedVoiceError,
 )
 from engine.kv_pool import KVPool, PoolStats
 from engine.model import Model
 from engine.sampling import Sampler, generator
-from engine.speech import MAX_SPEECH_TEXT_TOKENS, SPEECH_FORMATS, Speech, SpeechModel
 from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens, stop_strings
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
     "AttentionBackendUnavailableError",
-    "SpeechModel",
-    "Speech",
-    "SPEECH_FORMATS",
-    "MAX_SPEECH_TEXT_TOKENS",
-    "UnsupportedVoiceError",
-    "UnsupportedAudioFormatError",
-    "TextTooLongError",
-    "NoSpeechHeadError",
-    "InvalidDurationError",
-    "EmptyTextError",
     "CheckpointShapeError",
     "Context",
     "ContextClosedError",
@@ -66,14 +60,23 @@ __all__ = [
     "SyncContext",
     "TokenEvent",
     "UnsupportedArchitectureError",
+    "architecture_name",
     "caption",
     "caption_async",
     "caption_many",
     "caption_many_async",
+    "check_tokenizer",
+    "check_weights",
+    "default_device",
     "eos",
     "eos_from",
     "generator",
+    "load_part",
+    "load_pretrained",
     "max_tokens",
+    "place_model",
+    "read_config",
+    "resolve_checkpoint",
     "run_sync",
     "stop_strings",
 ]

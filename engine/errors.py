@@ -69,39 +69,3 @@ class AttentionBackendUnavailableError(EngineError, InvalidRequestError):
     message says why (no CUDA device, an unsupported dtype, flashinfer not installed)."""
 
     code = "attention_backend_unavailable"
-
-
-class NoSpeechHeadError(EngineError, InvalidRequestError):
-    """``speak`` was called on a model that cannot produce speech (no CSM speech head)."""
-
-    code = "no_speech_head"
-
-
-class EmptyTextError(EngineError, InvalidRequestError):
-    """There is no text to speak."""
-
-    code = "empty_text"
-
-
-class TextTooLongError(EngineError, InvalidRequestError):
-    """The text to speak is over the token limit (``details['limit']``)."""
-
-    code = "text_too_long"
-
-
-class UnsupportedVoiceError(EngineError, InvalidRequestError):
-    """The voice selector (speaker) is not an allowed speaker id or a known preset."""
-
-    code = "unsupported_voice"
-
-
-class UnsupportedAudioFormatError(EngineError, InvalidRequestError):
-    """An output audio format the engine cannot encode."""
-
-    code = "unsupported_audio_format"
-
-
-class InvalidDurationError(EngineError, InvalidRequestError):
-    """``max_duration`` is not a positive number of seconds."""
-
-    code = "invalid_max_duration"

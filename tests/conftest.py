@@ -16,3 +16,12 @@ def samples() -> Path:
     from fixtures.samples import ensure_samples
 
     return ensure_samples()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    """name -> folder of a tiny fixture checkpoint (``tiny-qwen3-vl``, ``tiny-gemma4``,
+    ``tiny-csm``), built on first use: what ``Model.load`` / ``SpeechModel.load`` take."""
+    from fixtures.tiny_models import ensure_tiny_model
+
+    return ensure_tiny_model

@@ -134,10 +134,10 @@ def test_expand_paths_sorted_recursive_skips_hidden_and_output(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(tiny_dir):
     from engine import Model
 
-    return Model.load("tiny-qwen3-vl", kv_pages=256, device="cpu")
+    return Model.load(tiny_dir("tiny-qwen3-vl"), kv_pages=256, device="cpu")
 
 
 def test_in_process_job_matches_engine_and_dedups(tmp_path, tiny):

@@ -68,11 +68,11 @@ def test_caption_batches_good_images_and_reports_bad_ones(samples, capsys):
     assert isinstance(recs[2]["caption"], str)
 
 
-def test_caption_matches_engine_directly(samples, capsys):
+def test_caption_matches_engine_directly(samples, capsys, tiny_dir):
     from engine import Model, caption
 
     path = samples / "images/photo_640x480.jpg"
-    expected = caption(Model.load("tiny-qwen3-vl"), path, max_tokens=6)
+    expected = caption(Model.load(tiny_dir("tiny-qwen3-vl")), path, max_tokens=6)
     assert main(["caption", "--json", "--max-tokens", "6", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["caption"] == expected
 
@@ -115,6 +115,23 @@ def test_speak_typed_errors_exit_2(tmp_path, capsys):
     assert main(["speak", "hi", "-o", str(tmp_path / "a.wav"), "--model", "tiny-qwen3-vl"]) == 2
     assert "no_speech_head" in capsys.readouterr().err
     assert not (tmp_path / "a.wav").exists()
+
+
+def test_run_speak_writes_readable_file(tmp_path, capsys):
+    from api.speak_cmd import run_speak
+    from media import Audio
+
+    out = tmp_path / "hi.flac"
+    assert run_speak("Hello there.", str(out), max_duration=0.4, temperature=0) == 0
+    back = Audio.from_bytes(out.read_bytes())
+    assert back.sample_rate == 24000 and back.duration <= 0.4 + 1e-9
+    assert "24000 Hz" in capsys.readouterr().out
+    assert run_speak("Hello.", str(tmp_path / "x.aiff")) == 2
+    assert "unsupported_audio_format" in capsys.readouterr().err
+    assert run_speak("", str(tmp_path / "x.wav")) == 2
+    assert "empty_text" in capsys.readouterr().err
+    assert run_speak("Hello.", str(tmp_path / "x.wav"), model="/no/such/dir") == 2
+    assert "model_not_found" in capsys.readouterr().err
 
 
 def test_inspect_with_model_reports_token_budget(samples, capsys):

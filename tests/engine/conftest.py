@@ -29,17 +29,17 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="session")
-def qwen():
+def qwen(tiny_dir):
     from engine import Model
 
-    return Model.load(TINY_QWEN, kv_pages=512, device="cpu")
+    return Model.load(tiny_dir(TINY_QWEN), kv_pages=512, device="cpu")
 
 
 @pytest.fixture(scope="session")
-def gemma():
+def gemma(tiny_dir):
     from engine import Model
 
-    return Model.load(TINY_GEMMA, kv_pages=512, device="cpu")
+    return Model.load(tiny_dir(TINY_GEMMA), kv_pages=512, device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,6 @@ from engine import attention_flashinfer as afi
 from engine.attention import TORCH_BACKEND, BatchMeta, SeqMeta
 from engine.attention_flashinfer import FlashInferBackend, select_backend
 from engine.kv_pool import KVPool, LayerLayout
-from engine.model import resolve_checkpoint
 from engine.stopping import max_tokens
 from media import Image
 from tests.engine.conftest import ATOL, TINY_GEMMA, TINY_QWEN, assert_logits_close
@@ -84,9 +83,9 @@ def test_auto_picks_torch_on_cpu(qwen):
     assert qwen.runner.backend is TORCH_BACKEND
 
 
-def test_flashinfer_on_cpu_raises_a_typed_error():
+def test_flashinfer_on_cpu_raises_a_typed_error(tiny_dir):
     with pytest.raises(AttentionBackendUnavailableError) as err:
-        Model.load(TINY_QWEN, device="cpu", kv_pages=8, attention="flashinfer")
+        Model.load(tiny_dir(TINY_QWEN), device="cpu", kv_pages=8, attention="flashinfer")
     e = err.value
     assert isinstance(e, InvalidRequestError)
     assert e.code == "attention_backend_unavailable"
@@ -94,13 +93,13 @@ def test_flashinfer_on_cpu_raises_a_typed_error():
     assert e.to_dict()["backend"] == "flashinfer"
 
 
-def test_unknown_backend_raises():
+def test_unknown_backend_raises(tiny_dir):
     with pytest.raises(
         InvalidRequestError, match=r"unknown attention backend 'bogus'.*auto, torch, flashinfer"
     ):
-        Model.load(TINY_QWEN, device="cpu", kv_pages=8, attention="bogus")
+        Model.load(tiny_dir(TINY_QWEN), device="cpu", kv_pages=8, attention="bogus")
     with pytest.raises(InvalidRequestError, match="unknown attention backend"):  # speech too
-        Model.load("tiny-csm", device="cpu", attention="bogus")
+        Model.load(tiny_dir("tiny-csm"), device="cpu", attention="bogus")
 
 
 def test_selection_rules(monkeypatch):
@@ -131,8 +130,9 @@ def test_engine_never_imports_flashinfer_on_cpu():
         import torch
         import engine
         import engine.attention_flashinfer as afi
+        from fixtures.tiny_models import ensure_tiny_model
         assert "flashinfer" not in sys.modules, "import engine imported flashinfer"
-        m = engine.Model.load("tiny-qwen3-vl", device="cpu", kv_pages=16)
+        m = engine.Model.load(ensure_tiny_model("tiny-qwen3-vl"), device="cpu", kv_pages=16)
         assert m.attention_backend == "torch", m.attention_backend
         ctx = engine.SyncContext(m).user("hi").cue()
         ctx.generate(engine.Sampler.greedy(), engine.max_tokens(2))
@@ -325,7 +325,7 @@ GEMMA_BLOCKS = "tiny-gemma4 + vision blocks"
 
 
 @pytest.fixture(scope="module")
-def gemma_blocks_dir(tmp_path_factory) -> Path:
+def gemma_blocks_dir(tmp_path_factory, tiny_dir) -> Path:
     """The tiny Gemma-4 with what its fixture leaves off (as test_gemma4_variants):
     bidirectional attention in image blocks on the sliding layers, and KV sharing."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
@@ -344,7 +344,7 @@ def gemma_blocks_dir(tmp_path_factory) -> Path:
     hf = Gemma4ForConditionalGeneration(Gemma4Config(**cfg)).eval()
     folder = tmp_path_factory.mktemp("gemma4-blocks")
     hf.save_pretrained(folder)
-    for f in resolve_checkpoint(TINY_GEMMA).iterdir():
+    for f in tiny_dir(TINY_GEMMA).iterdir():
         if (
             f.is_file()
             and f.suffix != ".safetensors"
@@ -362,10 +362,14 @@ def blocks_ref(gemma_blocks_dir) -> Model:
 
 
 @pytest.fixture(scope="module")
-def fake_models(fake_flashinfer, gemma_blocks_dir):
+def fake_models(fake_flashinfer, gemma_blocks_dir, tiny_dir):
     """Second copies of the tiny models (own pools) running FlashInferBackend on the fake."""
     out = {}
-    for name, src in [(TINY_QWEN, TINY_QWEN), (TINY_GEMMA, TINY_GEMMA), (GEMMA_BLOCKS, gemma_blocks_dir)]:
+    for name, src in [
+        (TINY_QWEN, tiny_dir(TINY_QWEN)),
+        (TINY_GEMMA, tiny_dir(TINY_GEMMA)),
+        (GEMMA_BLOCKS, gemma_blocks_dir),
+    ]:
         model = Model.load(src, kv_pages=512, device="cpu", attention="torch")
         model.runner.backend = FlashInferBackend("cpu", workspace_bytes=1024, head_dims=None)
         model.attention_backend = "flashinfer"
@@ -640,12 +644,16 @@ def _bf16_close(ours: torch.Tensor, ref: torch.Tensor, label: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpu_pairs(gemma_blocks_dir):
+def gpu_pairs(gemma_blocks_dir, tiny_dir):
     """Per tiny model: (torch backend, flashinfer backend), both bfloat16 on CUDA."""
     if not HAVE_FLASHINFER:
         pytest.skip(f"flashinfer kernels: {WHY_NOT}")
     out = {}
-    for name, src in [(TINY_QWEN, TINY_QWEN), (TINY_GEMMA, TINY_GEMMA), (GEMMA_BLOCKS, gemma_blocks_dir)]:
+    for name, src in [
+        (TINY_QWEN, tiny_dir(TINY_QWEN)),
+        (TINY_GEMMA, tiny_dir(TINY_GEMMA)),
+        (GEMMA_BLOCKS, gemma_blocks_dir),
+    ]:
         ref = Model.load(src, kv_pages=512, dtype=torch.bfloat16, attention="torch")
         ours = Model.load(src, kv_pages=512, dtype=torch.bfloat16, attention="flashinfer")
         assert ours.attention_backend == "flashinfer" and ours.device.type == "cuda"
@@ -658,9 +666,11 @@ def gpu_pairs(gemma_blocks_dir):
 
 
 @needs_flashinfer
-def test_gpu_auto_picks_flashinfer_for_bf16_and_torch_for_fp32():
-    assert Model.load(TINY_QWEN, kv_pages=16, dtype=torch.bfloat16).attention_backend == "flashinfer"
-    assert Model.load(TINY_QWEN, kv_pages=16).attention_backend == "torch"  # float32
+def test_gpu_auto_picks_flashinfer_for_bf16_and_torch_for_fp32(tiny_dir):
+    assert (
+        Model.load(tiny_dir(TINY_QWEN), kv_pages=16, dtype=torch.bfloat16).attention_backend == "flashinfer"
+    )
+    assert Model.load(tiny_dir(TINY_QWEN), kv_pages=16).attention_backend == "torch"  # float32
 
 
 @needs_flashinfer

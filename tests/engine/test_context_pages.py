@@ -177,12 +177,12 @@ def test_truncate_then_sample_recomputes_the_last_logits(gemma):
         c.close()
 
 
-def test_out_of_pages_is_typed_and_recoverable():
-    probe = Model.load(TINY_GEMMA, kv_pages=1, page_size=16, device="cpu")
+def test_out_of_pages_is_typed_and_recoverable(tiny_dir):
+    probe = Model.load(tiny_dir(TINY_GEMMA), kv_pages=1, page_size=16, device="cpu")
     rows_a = len(SyncContext(probe).user(LONG))
     rows_b = len(SyncContext(probe).user("Unrelated: " + LONG + LONG))
     pages_a, pages_b = -(-rows_a // 16), -(-rows_b // 16)
-    small = Model.load(TINY_GEMMA, kv_pages=pages_b + 1, page_size=16, device="cpu")
+    small = Model.load(tiny_dir(TINY_GEMMA), kv_pages=pages_b + 1, page_size=16, device="cpu")
     assert pages_a + pages_b > pages_b + 1
     a = SyncContext(small).user(LONG)
     a.flush()
@@ -204,8 +204,8 @@ def test_out_of_pages_is_typed_and_recoverable():
     assert s.in_use == 0 and s.free + s.cached == s.num_pages
 
 
-def test_out_of_pages_during_decode_keeps_the_context():
-    small = Model.load(TINY_GEMMA, kv_pages=2, page_size=16, device="cpu")
+def test_out_of_pages_during_decode_keeps_the_context(tiny_dir):
+    small = Model.load(tiny_dir(TINY_GEMMA), kv_pages=2, page_size=16, device="cpu")
     ctx = SyncContext(small).fill_tokens([2] + [100] * 30)
     with pytest.raises(OutOfPagesError):
         ctx.generate(Sampler.greedy(), max_tokens(10))

@@ -17,10 +17,10 @@ GPU_ATOL = 1e-3
 
 
 @pytest.mark.parametrize("name", [TINY_QWEN, TINY_GEMMA])
-def test_gpu_logits_and_greedy(refs, name):
+def test_gpu_logits_and_greedy(refs, name, tiny_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = Model.load(name, kv_pages=64)
+    model = Model.load(tiny_dir(name), kv_pages=64)
     assert model.device.type == "cuda" and model.pool.k[0].is_cuda
     ctx = SyncContext(model).user(Image.from_bytes(IMG_A), "Describe this image, please, in detail.").cue()
     ids = ctx.token_ids

@@ -17,9 +17,9 @@ from engine import (
     Sampler,
     SyncContext,
     UnsupportedArchitectureError,
+    default_device,
     max_tokens,
 )
-from engine.model import _default_device
 from tests.engine.conftest import TINY_GEMMA, assert_logits_close
 
 
@@ -46,14 +46,24 @@ def _edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-def test_tiny_names_resolve(gemma, qwen):
+def test_tiny_checkpoints_load(gemma, qwen):
     assert gemma.architecture == "Gemma4ForConditionalGeneration"
     assert qwen.architecture == "Qwen3VLForConditionalGeneration"
-    assert _default_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert default_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert gemma.eos_token_ids == {1, 6} and qwen.eos_token_ids == {151645, 151643}
     assert qwen.media_kinds == {"image", "video"} and gemma.media_kinds == {"image", "video", "audio"}
-    with pytest.raises(ModelLoadError):
-        Model.load("tiny-llama")
+
+
+def test_names_are_not_resolved_by_the_engine(tmp_path):
+    """Model.load takes a directory: tiny names are the CLI's / api.model_ref's to resolve."""
+    for ref in ("tiny-qwen3-vl", "tiny", "tiny-llama"):
+        with pytest.raises(MissingCheckpointFileError, match="pass a checkpoint directory") as e:
+            Model.load(ref)
+        assert "api.model_ref" in str(e.value)
+    afile = tmp_path / "config.json"
+    afile.write_text("{}")
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        Model.load(afile)
 
 
 def test_missing_things_are_named(tmp_path, gemma):
@@ -118,8 +128,8 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path, gemma):
         Model.load(sharded)
 
 
-def test_bfloat16_load_generates():
-    model = Model.load(TINY_GEMMA, dtype=torch.bfloat16, kv_pages=16)
+def test_bfloat16_load_generates(tiny_dir):
+    model = Model.load(tiny_dir(TINY_GEMMA), dtype=torch.bfloat16, kv_pages=16)
     assert model.pool.k[0].dtype == torch.bfloat16
     out = SyncContext(model).user("Hi").cue().generate(Sampler.greedy(), max_tokens(4))
     assert len(out.tokens) == 4

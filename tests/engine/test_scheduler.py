@@ -18,10 +18,15 @@ BUDGET = 24  # rows per forward pass: one chunk plus a few decode rows
 
 
 @pytest.fixture(scope="module")
-def small():
+def small(tiny_dir):
     """The tiny Qwen3-VL with a small prefill chunk and per-pass row budget."""
     return Model.load(
-        TINY_QWEN, kv_pages=256, page_size=8, device="cpu", max_prefill_rows=PREFILL, max_batch_rows=BUDGET
+        tiny_dir(TINY_QWEN),
+        kv_pages=256,
+        page_size=8,
+        device="cpu",
+        max_prefill_rows=PREFILL,
+        max_batch_rows=BUDGET,
     )
 
 

@@ -17,29 +17,26 @@ import math
 import numpy as np
 import pytest
 
-from engine import (
+from media import InvalidRequestError, PieMediaError
+from speech import (
+    MAX_SPEECH_TEXT_TOKENS,
     EmptyTextError,
     InvalidDurationError,
-    Model,
     NoSpeechHeadError,
     Speech,
+    SpeechError,
     SpeechModel,
     TextTooLongError,
     UnsupportedAudioFormatError,
     UnsupportedVoiceError,
+    audio_cutoff,
+    is_end_frame,
 )
-from engine.speech import MAX_SPEECH_TEXT_TOKENS, audio_cutoff, is_end_frame
 
-TINY_CSM = "tiny-csm"
 FRAMES = 10
 MAX_DURATION = FRAMES / 12.5  # 0.8 s
 STREAM_ATOL = 1e-4
 FORMAT_DURATION_TOL = 0.05  # seconds
-
-
-@pytest.fixture(scope="module")
-def csm() -> SpeechModel:
-    return Model.load(TINY_CSM, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +80,7 @@ def _turn(speaker, text, audio=None):
 # -- loading -------------------------------------------------------------------------------------
 
 
-def test_load_dispatches_csm_to_speech_model(csm):
+def test_load_csm_checkpoint(csm):
     assert isinstance(csm, SpeechModel)
     assert csm.architecture == "CsmForConditionalGeneration"
     assert (csm.sample_rate, csm.frame_rate, csm.num_codebooks, csm.codebook_size) == (24000, 12.5, 4, 64)
@@ -270,25 +267,33 @@ def test_typed_errors(csm, greedy):
         csm.speak_stream("Hi.", max_duration=0)
 
 
-def test_speak_on_model_without_speech_head(qwen):
+def test_load_of_a_model_without_speech_head(tiny_dir):
+    qwen = tiny_dir("tiny-qwen3-vl")
     with pytest.raises(NoSpeechHeadError) as e:
-        qwen.speak("Hello")
+        SpeechModel.load(qwen)
     assert e.value.code == "no_speech_head" and qwen.name in str(e.value)
 
 
-# -- CLI -----------------------------------------------------------------------------------------
+def test_speech_errors_share_one_base_and_stay_invalid_requests():
+    for cls in (
+        EmptyTextError,
+        TextTooLongError,
+        UnsupportedVoiceError,
+        UnsupportedAudioFormatError,
+        InvalidDurationError,
+        NoSpeechHeadError,
+    ):
+        assert issubclass(cls, SpeechError) and issubclass(cls, PieMediaError)
+        assert issubclass(cls, InvalidRequestError)
 
 
-def test_run_speak_writes_readable_file(tmp_path, capsys):
-    from api.speak_cmd import run_speak
-    from media import Audio
-
-    out = tmp_path / "hi.flac"
-    assert run_speak("Hello there.", str(out), max_duration=0.4, temperature=0) == 0
-    back = Audio.from_bytes(out.read_bytes())
-    assert back.sample_rate == 24000 and back.duration <= 0.4 + 1e-9
-    assert "24000 Hz" in capsys.readouterr().out
-    assert run_speak("Hello.", str(tmp_path / "x.aiff")) == 2
-    assert "unsupported_audio_format" in capsys.readouterr().err
-    assert run_speak("", str(tmp_path / "x.wav")) == 2
-    assert "empty_text" in capsys.readouterr().err
+def test_stream_arguments_are_checked(csm):
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(InvalidRequestError, match="chunk_frames"):
+            csm.speak_stream("Hi.", chunk_frames=bad)
+    with pytest.raises(InvalidRequestError, match="context_frames"):
+        csm.speak_stream("Hi.", context_frames=-1)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        csm.speak("Hi.", temperature=-0.5)
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        csm.speak("Hi.", temperature=0.5, top_k=0)

@@ -1,8 +1,9 @@
 """Speech out: CSM (backbone + depth decoder + Mimi codec) behind ``model.speak(text)``.
 
-``SpeechModel.load(path)`` loads a ``CsmForConditionalGeneration`` checkpoint (``Model.load``
-dispatches here by the exact architecture name). The math is transformers' own modules; the engine
-owns the frame loop so that it can stream:
+``SpeechModel.load(path)`` loads a ``CsmForConditionalGeneration`` checkpoint directory through the
+engine's checkpoint loader (``api.model_ref.load_model`` dispatches here by the exact architecture
+name; any other architecture is a ``NoSpeechHeadError``). No pages, contexts or scheduler: the math
+is transformers' own modules, and this room owns the frame loop so that it can stream:
 
 1. The prompt (context turns, then ``[speaker]text``) is rendered with the checkpoint's chat template
    and run through its ``CsmProcessor``; text ids and context audio (Mimi-encoded) are merged into
@@ -36,25 +37,36 @@ Trained checkpoints never emit the specials, so this changes nothing for them.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.errors import (
-    CheckpointShapeError,
+from engine import (
+    architecture_name,
+    check_weights,
+    default_device,
+    load_part,
+    load_pretrained,
+    place_model,
+    read_config,
+    resolve_checkpoint,
+)
+from media import InvalidRequestError, check_int, check_number
+from speech.clip import Speech
+from speech.codecs import SPEECH_FORMATS
+from speech.errors import (
     EmptyTextError,
     InvalidDurationError,
-    InvalidRequestError,
-    ModelLoadError,
+    NoSpeechHeadError,
     TextTooLongError,
     UnsupportedVoiceError,
 )
-from engine.speech_codecs import SPEECH_FORMATS, encode_pcm, normalize_format
 
 CSM_ARCHITECTURE = "CsmForConditionalGeneration"
 # The text to speak may hold at most this many tokens (not counting context turns).
@@ -67,36 +79,6 @@ DEFAULT_MAX_DURATION = 90.0
 DEFAULT_CHUNK_FRAMES = 2
 DEFAULT_CONTEXT_FRAMES = 64
 FALLBACK_TOP_K = 50  # transformers' top_k default when sampling
-
-
-@dataclass
-class Speech:
-    """A mono speech clip: float32 PCM in [-1, 1] at ``sample_rate`` Hz."""
-
-    pcm: np.ndarray
-    sample_rate: int
-    codes: np.ndarray | None = None  # (frames, codebooks) as generated, end frame included
-    stop_reason: str = "eos"  # "eos" | "max_duration"
-    channels: int = field(default=1, init=False)
-
-    @property
-    def duration(self) -> float:
-        return len(self.pcm) / self.sample_rate
-
-    @property
-    def frames(self) -> int:
-        return len(self.pcm)
-
-    def to_wav(self) -> bytes:
-        """16-bit PCM WAV bytes."""
-        return encode_pcm(self.pcm, self.sample_rate, "wav")
-
-    def encode(self, format: str = "wav") -> bytes:  # noqa: A002 - the public name
-        """Bytes in ``format``: one of ``SPEECH_FORMATS`` (see ``engine.speech_codecs``)."""
-        return encode_pcm(self.pcm, self.sample_rate, format)
-
-    def __repr__(self) -> str:
-        return f"Speech({self.duration:.3f} s, {self.sample_rate} Hz, mono, stop={self.stop_reason})"
 
 
 @dataclass(frozen=True)
@@ -167,38 +149,30 @@ class SpeechModel:
     @classmethod
     def load(
         cls,
-        path: Path,
-        config: dict[str, Any],
+        path: str | os.PathLike[str],
         *,
         device: str | torch.device | None = None,
-        dtype=torch.float32,
+        dtype: torch.dtype = torch.float32,
     ) -> SpeechModel:
+        """Load the CSM checkpoint directory ``path`` (typed ``ModelLoadError``s from the engine's
+        checkpoint loader; ``NoSpeechHeadError`` for a checkpoint of another architecture).
+        device: default CUDA when available, else CPU."""
         import transformers
 
-        from engine.model import _check_loading_info, _check_weights, _default_device, _QuietTransformers
-
-        _check_weights(path)
-        dev = torch.device(device) if device is not None else _default_device()
-        with _QuietTransformers():
-            try:
-                hf, info = transformers.CsmForConditionalGeneration.from_pretrained(
-                    path, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
-                )
-            except (RuntimeError, ValueError) as e:
-                if "size mismatch" in str(e) or "shape" in str(e).lower():
-                    raise CheckpointShapeError(f"{path}: weights do not fit the config: {e}") from e
-                raise ModelLoadError(f"{path}: cannot load {CSM_ARCHITECTURE}: {e}") from e
-            except OSError as e:
-                raise ModelLoadError(f"{path}: cannot read the checkpoint: {e}") from e
-            try:
-                processor = transformers.AutoProcessor.from_pretrained(path)
-            except Exception as e:  # tokenizers / processors raise their own types
-                raise ModelLoadError(f"{path}: cannot load the CSM processor: {e}") from e
-        _check_loading_info(path, info)
-        try:
-            hf = hf.to(dev).eval()
-        except (RuntimeError, AssertionError) as e:
-            raise ModelLoadError(f"cannot place the model on {dev}: {e}") from e
+        path = resolve_checkpoint(path)
+        config = read_config(path)
+        arch = architecture_name(config)
+        if arch != CSM_ARCHITECTURE:
+            raise NoSpeechHeadError(
+                f"model {path.name!r} ({arch}) has no speech head; load a CSM checkpoint to speak",
+                model=path.name,
+                architecture=arch,
+            )
+        check_weights(path)
+        dev = torch.device(device) if device is not None else default_device()
+        hf = load_pretrained(path, CSM_ARCHITECTURE, dtype=dtype)
+        processor = load_part(path, "CSM processor", transformers.AutoProcessor.from_pretrained)
+        hf = place_model(hf, dev)
         return cls(
             path=path, config=config, hf=hf, processor=processor, generation_config=hf.generation_config
         )
@@ -242,11 +216,11 @@ class SpeechModel:
     def max_frames(self, max_duration: float | None) -> int:
         if max_duration is None:
             max_duration = DEFAULT_MAX_DURATION
-        elif isinstance(max_duration, bool) or not isinstance(max_duration, int | float):
-            raise InvalidDurationError(f"max_duration must be seconds > 0, got {max_duration!r}")
-        if not math.isfinite(max_duration) or max_duration <= 0:
-            raise InvalidDurationError(f"max_duration must be seconds > 0, got {max_duration!r}")
-        return max(1, math.ceil(max_duration * self.frame_rate - 1e-9))
+        try:
+            seconds = check_number("max_duration (seconds)", max_duration, min=0, min_open=True)
+        except InvalidRequestError as e:
+            raise InvalidDurationError(e.message, **e.details) from e
+        return max(1, math.ceil(seconds * self.frame_rate - 1e-9))
 
     def _check_text(self, text: Any) -> None:
         if not isinstance(text, str) or not text.strip():
@@ -312,12 +286,10 @@ class SpeechModel:
         return merged["inputs_embeds"]
 
     def _sampling(self, temperature: float | None, top_k: int | None) -> tuple[_Sampling, _Sampling]:
-        if temperature is not None and (
-            isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0
-        ):
-            raise InvalidRequestError(f"temperature must be >= 0, got {temperature!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise InvalidRequestError(f"top_k must be an int >= 1, got {top_k!r}")
+        if temperature is not None:
+            temperature = check_number("temperature", temperature, min=0)
+        if top_k is not None:
+            top_k = check_int("top_k", top_k, min=1)
         if temperature == 0:
             greedy = _Sampling(False, 1.0, None)
             return greedy, greedy
@@ -447,10 +419,8 @@ class SpeechModel:
         Each chunk is decoded with up to ``context_frames`` frames of left context; the chunks
         joined equal ``speak``'s clip (see the module docstring for the tolerance).
         """
-        if not isinstance(chunk_frames, int) or chunk_frames < 1:
-            raise InvalidRequestError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
-        if not isinstance(context_frames, int) or context_frames < 0:
-            raise InvalidRequestError(f"context_frames must be an int >= 0, got {context_frames!r}")
+        chunk_frames = check_int("chunk_frames", chunk_frames, min=1)
+        context_frames = check_int("context_frames", context_frames, min=0)
         # Checks run now, before the first next(): errors surface at the call.
         with self._lock:
             frames, _ = self._start(text, speaker, max_duration, temperature, top_k, context, seed)
@@ -477,7 +447,3 @@ class SpeechModel:
         pcm = self.decode(np.asarray(codes[start:], dtype=np.int64))
         new = (len(codes) - done) * self.samples_per_frame
         return np.clip(pcm[-new:], -1.0, 1.0).astype(np.float32)
-
-
-def encode_speech(speech: Speech, fmt: str) -> bytes:
-    return encode_pcm(speech.pcm, speech.sample_rate, normalize_format(fmt))

@@ -20,7 +20,7 @@ import io
 
 import numpy as np
 
-from engine.errors import UnsupportedAudioFormatError
+from speech.errors import UnsupportedAudioFormatError
 
 SPEECH_FORMATS = ("wav", "flac", "mp3", "opus", "pcm", "s16le")
 MIME_TYPES = {

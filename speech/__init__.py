@@ -1,0 +1,49 @@
+"""speech: CSM text to speech, ``SpeechModel.load(dir).speak(text)`` / ``speak_stream``, and the
+clip codecs. Uses the engine's checkpoint loader only (no pages, contexts or scheduler)::
+
+    from speech import SpeechModel, Speech
+"""
+
+from speech.clip import Speech
+from speech.codecs import MIME_TYPES, SPEECH_FORMATS, encode_pcm, format_from_extension, normalize_format
+from speech.errors import (
+    EmptyTextError,
+    InvalidDurationError,
+    NoSpeechHeadError,
+    SpeechError,
+    TextTooLongError,
+    UnsupportedAudioFormatError,
+    UnsupportedVoiceError,
+)
+from speech.model import (
+    CSM_ARCHITECTURE,
+    MAX_SPEAKER_ID,
+    MAX_SPEECH_TEXT_TOKENS,
+    SPEAKER_PRESETS,
+    SpeechModel,
+    audio_cutoff,
+    is_end_frame,
+)
+
+__all__ = [
+    "CSM_ARCHITECTURE",
+    "EmptyTextError",
+    "InvalidDurationError",
+    "MAX_SPEAKER_ID",
+    "MAX_SPEECH_TEXT_TOKENS",
+    "MIME_TYPES",
+    "NoSpeechHeadError",
+    "SPEAKER_PRESETS",
+    "SPEECH_FORMATS",
+    "Speech",
+    "SpeechError",
+    "SpeechModel",
+    "TextTooLongError",
+    "UnsupportedAudioFormatError",
+    "UnsupportedVoiceError",
+    "audio_cutoff",
+    "encode_pcm",
+    "format_from_extension",
+    "is_end_frame",
+    "normalize_format",
+]
