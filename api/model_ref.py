@@ -60,19 +60,21 @@ def resolve_model_dir(ref: str | os.PathLike[str]) -> Path:
 def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechModel:
     """Load what ``ref`` names (see ``resolve_model_dir``), dispatched by the exact
     ``architectures[0]`` of its config.json: ``CsmForConditionalGeneration`` gives a
-    ``speech.SpeechModel`` (keyword arguments: ``device``, ``dtype``), anything else
-    ``engine.Model.load(dir, **kwargs)``. Keyword arguments the speech model does not take
-    are an ``InvalidRequestError`` naming them."""
-    from engine import InvalidRequestError, Model, architecture_name, read_config
+    ``speech.SpeechModel``, anything else ``engine.Model.load(dir, **kwargs)``.
+
+    ``kwargs`` are ``Model.load``'s options. A speech model takes ``device`` and ``dtype``
+    and ignores the rest (the KV pool, prefill and attention options), so one set of
+    options can load any model; a name ``Model.load`` does not know is a ``TypeError``."""
+    import inspect
+
+    from engine import Model, architecture_name, read_config
     from speech import CSM_ARCHITECTURE, SpeechModel
 
     path = resolve_model_dir(ref)
-    if architecture_name(read_config(path)) == CSM_ARCHITECTURE:
-        extra = sorted(set(kwargs) - {"device", "dtype"})
-        if extra:
-            raise InvalidRequestError(
-                f"{', '.join(extra)}: not options of a speech model ({CSM_ARCHITECTURE} takes device, dtype)",
-                options=extra,
-            )
-        return SpeechModel.load(path, **kwargs)
-    return Model.load(path, **kwargs)
+    if architecture_name(read_config(path)) != CSM_ARCHITECTURE:
+        return Model.load(path, **kwargs)
+    known = inspect.signature(Model.load).parameters
+    unknown = sorted(k for k in kwargs if k not in known or k == "path")
+    if unknown:
+        raise TypeError(f"load_model() got unexpected keyword argument(s): {', '.join(unknown)}")
+    return SpeechModel.load(path, **{k: v for k, v in kwargs.items() if k in ("device", "dtype")})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api.model_ref import ModelNotFoundError, load_model, resolve_model_dir
-from engine import InvalidRequestError, MissingCheckpointFileError, Model, ModelLoadError
+from engine import MissingCheckpointFileError, Model, ModelLoadError
 from speech import NoSpeechHeadError, SpeechModel
 
 
@@ -42,9 +42,11 @@ def test_load_model_dispatches_by_architecture(tiny_dir):
     assert isinstance(load_model(tiny_dir("tiny-gemma4"), device="cpu", kv_pages=8), Model)
 
 
-def test_speech_refuses_options_it_does_not_take():
-    with pytest.raises(InvalidRequestError, match="kv_pages"):
-        load_model("tiny-csm", device="cpu", kv_pages=8)
+def test_one_set_of_options_loads_either_kind():
+    speech = load_model("tiny-csm", device="cpu", kv_pages=8, attention="auto", page_size=16)
+    assert isinstance(speech, SpeechModel) and speech.device.type == "cpu"
+    with pytest.raises(TypeError, match="kv_page"):
+        load_model("tiny-csm", kv_page=8)
 
 
 def test_the_loaders_take_directories_only(tiny_dir):
