@@ -11,7 +11,8 @@ decoder layer except attention is per token, so sequences of different lengths (
 chunks and decode steps of many contexts) share one pass, and ``BatchMeta`` tells this
 function where each sequence's queries are and which pages hold its keys.
 
-Masks are built per sequence over KV row indices (row = token index in the context):
+Masks are built per sequence over KV row indices (row = token index in the context), by
+``engine.masks``:
 
 * causal: key row <= query row;
 * sliding window (layers that pass ``sliding_window``, Gemma-4's sliding layers):
@@ -30,18 +31,20 @@ Backends plug in through ``AttentionBackend`` (``write`` this step's K/V, ``atte
   paged kernels read the pool in place (its ``"NHD"`` layout is ours): the batch decode
   wrapper for one-row queries, the batch prefill wrapper (causal) for chunks, and the
   prefill wrapper with a ``custom_mask`` built by ``sequence_mask`` for media-block rows.
-  Page tables are built and kernels planned once per pass, per layer kind. flashinfer is
-  imported lazily, never on a machine without CUDA. Not yet run on a GPU in this repo
-  (none was available): its CUDA tests are written but have not passed anywhere yet.
+  Page tables are built and kernels planned once per pass, per layer kind. The module is
+  imported lazily (only to serve a CUDA device), and flashinfer never on a machine
+  without CUDA.
 
-``Model.load(attention="auto")`` picks flashinfer when the device is CUDA, the dtype is
-float16/bfloat16 and flashinfer imports, else torch; ``"torch"`` and ``"flashinfer"``
-force one (the latter raises ``AttentionBackendUnavailableError`` saying why it cannot
-run). ``Model.attention_backend`` names the one in use.
+Choosing one (``select_backend``, here): ``Model.load(attention="auto")`` picks flashinfer
+when the device is CUDA, the dtype is float16/bfloat16 and flashinfer imports, else torch;
+``"torch"`` and ``"flashinfer"`` force one (the latter raises
+``AttentionBackendUnavailableError`` saying why it cannot run). ``Model.attention_backend``
+names the one in use.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,9 +52,14 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from engine.errors import AttentionBackendUnavailableError, InvalidRequestError
 from engine.kv_pool import KVPool
+from engine.masks import causal_mask, sequence_causal_mask
 
 ATTN_IMPLEMENTATION = "pie_paged"
+ATTENTION_CHOICES = ("auto", "torch", "flashinfer")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,24 +120,18 @@ def sequence_mask(
 ) -> torch.Tensor | None:
     """Boolean (q_len, kv_len) mask (True = attend), or None when plain causal attention
     over everything so far is right (decode without window, or a fresh causal prefill:
-    see ``torch_attend``)."""
-    q_rows = torch.arange(seq.kv_start, seq.kv_len, device=device)
-    k_rows = torch.arange(seq.kv_len, device=device)
+    see ``_attend``)."""
     use_blocks = blocks and seq.block_ids is not None and bool((seq.block_ids >= 0).any())
     window_bites = sliding_window is not None and seq.kv_len > sliding_window
     if not use_blocks and not window_bites:
         return None
-    allowed = k_rows[None, :] <= q_rows[:, None]
-    if use_blocks:
-        assert seq.block_ids is not None
-        qb = seq.block_ids.to(device)
-        kb = torch.full((seq.kv_len,), -1, dtype=qb.dtype, device=device)
-        kb[seq.kv_start :] = qb
-        allowed |= (qb[:, None] == kb[None, :]) & (qb[:, None] >= 0)
-    if window_bites:
-        assert sliding_window is not None
-        allowed &= k_rows[None, :] > q_rows[:, None] - sliding_window
-    return allowed
+    return sequence_causal_mask(
+        seq.kv_start,
+        seq.kv_len,
+        window=sliding_window if window_bites else None,
+        block_ids=seq.block_ids if use_blocks else None,
+        device=device,
+    )
 
 
 class TorchBackend:
@@ -227,9 +229,8 @@ def _decode_group(meta: BatchMeta, page_size: int, sliding_window: int | None) -
             pages = s.pages[: -(-s.kv_len // page_size)]
             table[i, : pages.shape[0]] = pages
         pos = torch.arange(lmax, device=dev)
-        valid = pos[None, :] < kv_lens[:, None]
-        if sliding_window is not None:  # as sequence_mask: query row - key row < window
-            valid &= pos[None, :] > kv_lens[:, None] - 1 - sliding_window
+        # Each query is its sequence's last row (kv_len - 1): keys past it are padding.
+        valid = causal_mask(kv_lens - 1, pos, window=sliding_window)
         slots = table[:, pos // page_size] * page_size + pos % page_size
         rows = torch.tensor([s.q_start for s in group_seqs], dtype=torch.long, device=dev)
         group = _DecodeGroup(
@@ -257,8 +258,7 @@ def _attend(
     groups = q.shape[1] // k.shape[1]
     if softcap is not None:
         if mask is None:
-            q_rows = torch.arange(seq.kv_start, seq.kv_len, device=q.device)
-            mask = torch.arange(seq.kv_len, device=q.device)[None, :] <= q_rows[:, None]
+            mask = sequence_causal_mask(seq.kv_start, seq.kv_len, device=q.device)
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
         w = torch.matmul(q, k.transpose(2, 3)) * scaling
@@ -274,8 +274,7 @@ def _attend(
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1
             )
-        q_rows = torch.arange(seq.kv_start, seq.kv_len, device=q.device)
-        mask = torch.arange(seq.kv_len, device=q.device)[None, :] <= q_rows[:, None]
+        mask = sequence_causal_mask(seq.kv_start, seq.kv_len, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
 
 
@@ -313,6 +312,52 @@ def paged_attention_forward(
         pie_batch, layer, query, scaling=scaling, sliding_window=sliding_window, softcap=softcap
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+# -- choosing a backend ---------------------------------------------------------------------
+def check_attention_choice(attention: str) -> None:
+    """``InvalidRequestError`` unless ``attention`` names a backend choice."""
+    if attention not in ATTENTION_CHOICES:
+        raise InvalidRequestError(
+            f"unknown attention backend {attention!r}; expected one of {', '.join(ATTENTION_CHOICES)}",
+            attention=attention,
+        )
+
+
+def select_backend(attention: str, *, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend ``Model.load(attention=...)`` asked for.
+
+    ``"torch"``: the reference backend. ``"flashinfer"``: flashinfer, or
+    ``AttentionBackendUnavailableError`` saying why it cannot be used. ``"auto"``:
+    flashinfer when the device is CUDA, the dtype is float16/bfloat16 and flashinfer
+    imports; else torch (the reason is logged). ``engine.attention_flashinfer`` is imported
+    only for a CUDA device, and flashinfer itself only by its ``flashinfer_available``."""
+    check_attention_choice(attention)
+    if attention == "torch":
+        return TORCH_BACKEND
+    why_not = _flashinfer_unusable(device, dtype)
+    if why_not is None:
+        from engine.attention_flashinfer import FlashInferBackend
+
+        return FlashInferBackend(device)
+    if attention == "flashinfer":
+        raise AttentionBackendUnavailableError(why_not, backend="flashinfer")
+    log.info("attention backend: torch (%s)", why_not)
+    return TORCH_BACKEND
+
+
+def _flashinfer_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cuda":
+        return f"flashinfer needs a CUDA device; this model is on {device}"
+    from engine import attention_flashinfer
+
+    if dtype not in attention_flashinfer.FLASHINFER_DTYPES:
+        return (
+            f"flashinfer's kernels take float16 or bfloat16; this model is {dtype} "
+            "(load it with dtype=torch.bfloat16 or torch.float16)"
+        )
+    ok, why = attention_flashinfer.flashinfer_available()
+    return None if ok else why
 
 
 def register() -> str:

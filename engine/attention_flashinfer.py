@@ -1,14 +1,15 @@
-"""The ``flashinfer`` attention backend (CUDA only) and the choice of backend at load time.
+"""The ``flashinfer`` attention backend (CUDA only).
 
-flashinfer is imported lazily: importing this module (or ``engine``) never imports it, and
-``flashinfer_available`` checks ``torch.cuda.is_available()`` before trying to, so CPU
-machines and CI never touch it. Install it with the ``cuda`` extra (``flashinfer-python``).
+This module is imported lazily (``engine.attention.select_backend`` imports it only for a
+CUDA device), and flashinfer itself more lazily still: importing this module never
+imports it, and ``flashinfer_available`` checks ``torch.cuda.is_available()`` before
+trying to, so CPU machines and CI never touch it. Install it with the ``cuda`` extra
+(``flashinfer-python``).
 
 API targeted: flashinfer 0.6.18 (``flashinfer/prefill.py``, ``flashinfer/decode.py`` at
 commit fb28d72 of flashinfer-ai/flashinfer); the keyword names used here (``causal``,
 ``custom_mask``, ``window_left``, ``logits_soft_cap``, ``sm_scale``, ``q_data_type``,
-``kv_data_type``) are the same back to 0.2.5. Verified against the sources only: no GPU was
-available while this was written, so the backend has not been run in this repo yet.
+``kv_data_type``) are the same back to 0.2.5.
 
 How a pass maps onto flashinfer (per layer the protocol of ``engine.attention``):
 
@@ -39,7 +40,7 @@ How a pass maps onto flashinfer (per layer the protocol of ``engine.attention``)
   backend), ``scaling`` is ``sm_scale``; GQA is native (``num_qo_heads`` a multiple of
   ``num_kv_heads``).
 
-flashinfer takes float16/bfloat16 only. Selection (``select_backend``) therefore keeps a
+flashinfer takes float16/bfloat16 only (``FLASHINFER_DTYPES``): ``select_backend`` keeps a
 float32 model on the torch backend under ``"auto"`` and raises under ``"flashinfer"``.
 One backend object serves one model; passes run one at a time (the scheduler's worker),
 which the per-kind wrappers rely on.
@@ -54,19 +55,18 @@ from typing import Any, Literal
 
 import torch
 
-from engine.attention import TORCH_BACKEND, AttentionBackend, BatchMeta, SeqMeta, sequence_mask
-from engine.errors import AttentionBackendUnavailableError, InvalidRequestError
+from engine.attention import TORCH_BACKEND, BatchMeta, SeqMeta, sequence_mask
+from engine.masks import sequence_causal_mask
 
 log = logging.getLogger(__name__)
 
-ATTENTION_CHOICES = ("auto", "torch", "flashinfer")
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 WORKSPACE_BYTES = 128 * 1024 * 1024
 """flashinfer's float workspace (split-KV partial results); its docs recommend 128 MiB."""
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
 """Head sizes flashinfer ships kernels for (its JIT covers others only when a CUDA
-toolchain is present; unverified here, so other sizes go to the torch backend)."""
+toolchain is present, so other sizes go to the torch backend)."""
 
 PartKind = Literal["decode", "prefill", "custom"]
 
@@ -82,46 +82,6 @@ def flashinfer_available() -> tuple[bool, str]:
     except Exception as e:  # ImportError, or a compiled extension that fails to load
         return False, f"flashinfer does not import ({type(e).__name__}: {e}); install pie-media[cuda]"
     return True, f"flashinfer {getattr(flashinfer, '__version__', '(unknown version)')}"
-
-
-def check_attention_choice(attention: str) -> None:
-    """``InvalidRequestError`` unless ``attention`` names a backend choice."""
-    if attention not in ATTENTION_CHOICES:
-        raise InvalidRequestError(
-            f"unknown attention backend {attention!r}; expected one of {', '.join(ATTENTION_CHOICES)}",
-            attention=attention,
-        )
-
-
-def select_backend(attention: str, *, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The backend ``Model.load(attention=...)`` asked for.
-
-    ``"torch"``: the reference backend. ``"flashinfer"``: flashinfer, or
-    ``AttentionBackendUnavailableError`` saying why it cannot be used. ``"auto"``:
-    flashinfer when the device is CUDA, the dtype is float16/bfloat16 and flashinfer
-    imports; else torch (the reason is logged)."""
-    check_attention_choice(attention)
-    if attention == "torch":
-        return TORCH_BACKEND
-    why_not = _flashinfer_unusable(device, dtype)
-    if why_not is None:
-        return FlashInferBackend(device)
-    if attention == "flashinfer":
-        raise AttentionBackendUnavailableError(why_not, backend="flashinfer")
-    log.info("attention backend: torch (%s)", why_not)
-    return TORCH_BACKEND
-
-
-def _flashinfer_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
-    if device.type != "cuda":
-        return f"flashinfer needs a CUDA device; this model is on {device}"
-    if dtype not in FLASHINFER_DTYPES:
-        return (
-            f"flashinfer's kernels take float16 or bfloat16; this model is {dtype} "
-            "(load it with dtype=torch.bfloat16 or torch.float16)"
-        )
-    ok, why = flashinfer_available()
-    return None if ok else why
 
 
 @dataclass
@@ -343,6 +303,5 @@ def _custom_mask(seq: SeqMeta, window: int | None, device: torch.device) -> torc
     ``custom_mask`` layout for one request."""
     mask = sequence_mask(seq, sliding_window=window, blocks=True, device=device)
     if mask is None:  # no block rows after all: causal
-        q_rows = torch.arange(seq.kv_start, seq.kv_len, device=device)
-        mask = torch.arange(seq.kv_len, device=device)[None, :] <= q_rows[:, None]
+        mask = sequence_causal_mask(seq.kv_start, seq.kv_len, device=device)
     return mask.flatten()

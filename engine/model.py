@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.architectures import Architecture, architecture_class
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, check_attention_choice, select_backend
 from engine.attention import register as register_attention
-from engine.attention_flashinfer import check_attention_choice, select_backend
 from engine.checkpoint import (
     check_tokenizer,
     check_weights,
