@@ -11,12 +11,13 @@ pages; the rest are pending. Positions are assigned when a row is appended: text
 advance the cursor by one, a media span by its ``position_span`` (M-RoPE: not its row
 count), exactly as the reference's rope index.
 
-Pages. ``pages[i]`` holds rows ``[i*P, (i+1)*P)``. Full committed pages are published in
-the pool under a chain hash of their content (``engine.page_hashing``), so a context
-that fills rows matching a published page takes that page instead of computing it
-(prefix cache), and forks share pages by reference. A page is written only while this
-context is its only holder and it is unpublished; otherwise it is copied first
-(copy-on-write), so sharing never corrupts anyone's history.
+Pages. ``pages[i]`` holds rows ``[i*P, (i+1)*P)``; the context's ``engine.page_table.PageTable``
+keeps them. Full committed pages are published in the pool under a chain hash of their
+content (``engine.page_hashing``), so a context that fills rows matching a published page
+takes that page instead of computing it (prefix cache), and forks share pages by
+reference. A page is written only while this context is its only holder and it is
+unpublished; otherwise it is copied first (copy-on-write), so sharing never corrupts
+anyone's history.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import torch
 from engine import sampling, stopping
 from engine.errors import ContextClosedError, InvalidRequestError, SavedContextExistsError
 from engine.forward import LogitsWanted, MediaRows, StepInput
-from engine.kv_pool import KVPool
-from engine.page_hashing import MediaRow, PageKey, page_key
+from engine.page_hashing import MediaRow
+from engine.page_table import PageTable
 
 if TYPE_CHECKING:
     from encoders import Prepared
@@ -103,29 +104,14 @@ class _ChatState:
         return _ChatState(list(self.messages), self.open_turn, list(self.turn_tokens))
 
 
-class _PageTable:
-    """The pages a context holds; released when the context closes or is collected."""
-
-    def __init__(self, pool: KVPool):
-        self.pool = pool
-        self.pages: list[int] = []
-        self.keys: list[PageKey] = []
-
-    def release(self) -> None:
-        if self.pages:
-            self.pool.decref(self.pages)
-        self.pages = []
-        self.keys = []
-
-
 class Context:
     """A conversation with a model. ``Context(model)``; async methods run forward passes."""
 
     def __init__(self, model: Model, *, seed: int | None = None):
         self.model = model
-        self._pool = model.pool
-        self._table = _PageTable(model.pool)
-        self._finalizer = weakref.finalize(self, _PageTable.release, self._table)
+        # The pages this context holds; released when it closes or is collected.
+        self._table = PageTable(model.pool)
+        self._finalizer = weakref.finalize(self, PageTable.release, self._table)
         self._rows: list[Row] = []
         self._n = 0  # committed rows
         self._cursor = 0  # position of the next appended row
@@ -165,7 +151,7 @@ class Context:
     @property
     def pages(self) -> list[int]:
         """Page ids holding the committed rows."""
-        return list(self._table.pages[: self._pages_for(self._n)])
+        return self._table.covering(self._n)
 
     @property
     def closed(self) -> bool:
@@ -314,10 +300,7 @@ class Context:
         if self._busy:
             raise InvalidRequestError("cannot fork a context while it runs a forward pass")
         child = Context(self.model, seed=self._seed)
-        held = self._table.pages[: self._pages_for(self._n)]
-        self._pool.incref(held)
-        child._table.pages = list(held)
-        child._table.keys = list(self._table.keys)
+        child._adopt_table(self._table.fork(self._n))
         child._rows = list(self._rows)
         child._n = self._n
         child._cursor = self._cursor
@@ -363,12 +346,7 @@ class Context:
         self._cursor = self._rows[-1].next_pos if self._rows else 0
         if n < self._n:
             self._n = n
-            keep = self._pages_for(n)
-            drop = self._table.pages[keep:]
-            if drop:
-                self._pool.decref(drop)
-            del self._table.pages[keep:]
-            del self._table.keys[n // self._pool.page_size :]
+            self._table.truncate(n)
             self._last_logits = self._last_hidden = None
         if self._chat.open_turn and removed:
             keep_turn = max(0, len(self._chat.turn_tokens) - removed)
@@ -388,6 +366,13 @@ class Context:
         if self._busy:
             return  # _Busy.__exit__ finishes the job
         self._release()
+
+    def _adopt_table(self, table: PageTable) -> None:
+        """Hold ``table`` instead of the (empty) one this context was built with."""
+        self._finalizer.detach()
+        self._table.release()
+        self._table = table
+        self._finalizer = weakref.finalize(self, PageTable.release, table)
 
     def _release(self) -> None:
         self._table.release()
@@ -558,9 +543,6 @@ class Context:
         return stop
 
     # -- internals: prefill -----------------------------------------------------------------
-    def _pages_for(self, rows: int) -> int:
-        return -(-rows // self._pool.page_size)
-
     async def _ensure_logits(self) -> None:
         if self.pending:
             await self._prefill("last")
@@ -575,9 +557,8 @@ class Context:
             await self._prefill("last")
 
     def _uncommit(self, k: int) -> None:
-        n = self._n - k
-        self._n = n
-        del self._table.keys[n // self._pool.page_size :]
+        self._n -= k
+        self._table.forget_keys(self._n)
 
     async def _prefill(self, want: LogitsWanted) -> torch.Tensor | None:
         """Commit every pending row; ``want``: "last" keeps the last row's logits for
@@ -589,7 +570,9 @@ class Context:
         while self._n < total:
             self._check_open()  # closed while the previous chunk ran
             if want != "all":
-                self._reuse_published_pages(limit=total - 1)
+                # Published pages matching pending rows (the prefix cache); the last row is
+                # always computed (its output is what this prefill is for).
+                self._n = self._table.reuse(self._rows, self._n, limit=total - 1)
             start = self._n
             end = self._chunk_end(start, total)
             step = self._build_step(
@@ -597,7 +580,7 @@ class Context:
             )
             result = await self.model.scheduler.submit(step)
             self._n = end
-            self._publish_full_pages()
+            self._table.publish(self._rows, end)
             if want == "all" and result is not None:
                 collected.append(result)
             if end == total:
@@ -632,52 +615,8 @@ class Context:
             return False
         return not (a.mm_type in (1, 2) and b.mm_type in (1, 2))
 
-    def _reuse_published_pages(self, *, limit: int) -> None:
-        """Take published pages for pending rows that match them (whole pages starting at
-        a page boundary), never covering row ``limit`` (whose logits are needed)."""
-        ps = self._pool.page_size
-        table = self._table
-        while self._n % ps == 0 and self._n + ps <= limit:
-            rows = self._rows[self._n : self._n + ps]
-            parent = table.keys[-1] if table.keys else None
-            if len(table.keys) != self._n // ps:
-                return
-            key = page_key(parent, [r.token for r in rows], [r.media for r in rows], [r.pos for r in rows])
-            page = self._pool.lookup(key)
-            if page is None:
-                return
-            idx = self._n // ps
-            if idx < len(table.pages):
-                self._pool.decref([table.pages[idx]])
-                table.pages[idx] = page
-            else:
-                table.pages.append(page)
-            table.keys.append(key)
-            self._n += ps
-
-    def _reserve(self, start: int, end: int) -> None:
-        """Make the page table cover rows [start, end) with pages this context may write:
-        a page shared with another holder is copied first (its rows before ``start``), a
-        published page held only here is withdrawn from the prefix cache. All or nothing:
-        on ``OutOfPagesError`` nothing changed."""
-        pool, pages, ps = self._pool, self._table.pages, self._pool.page_size
-        first, last = start // ps, self._pages_for(end)
-        shared = [i for i in range(first, min(last, len(pages))) if pool.refcount(pages[i]) > 1]
-        fresh = pool.allocate(max(0, last - len(pages)) + len(shared))
-        for i in shared:
-            dst = fresh.pop()
-            keep = start - i * ps
-            if keep > 0:
-                pool.copy_page(pages[i], dst, rows=keep)
-            pool.decref([pages[i]])
-            pages[i] = dst
-        for i in range(first, min(last, len(pages))):
-            if pool.key_of(pages[i]) is not None:
-                pool.unregister(pages[i])
-        pages.extend(fresh)
-
     def _build_step(self, start: int, end: int, want: LogitsWanted) -> StepInput:
-        self._reserve(start, end)
+        self._table.reserve(start, end)
         rows = self._rows[start:end]
         positions = torch.tensor([r.pos for r in rows], dtype=torch.long).t().contiguous()
         media = self._media_rows(rows)
@@ -696,7 +635,7 @@ class Context:
             tokens=[r.token for r in rows],
             positions=positions,
             kv_start=start,
-            pages=list(self._table.pages),
+            pages=self._table.pages,
             media=media,
             block_ids=block_ids,
             logits=want,
@@ -717,15 +656,6 @@ class Context:
             )
             for span, at, emb in spans.values()
         ]
-
-    def _publish_full_pages(self) -> None:
-        ps, table, pool = self._pool.page_size, self._table, self._pool
-        for idx in range(len(table.keys), self._n // ps):
-            rows = self._rows[idx * ps : (idx + 1) * ps]
-            parent = table.keys[-1] if table.keys else None
-            key = page_key(parent, [r.token for r in rows], [r.media for r in rows], [r.pos for r in rows])
-            table.pages[idx] = pool.register(table.pages[idx], key)
-            table.keys.append(key)
 
 
 class _Busy:

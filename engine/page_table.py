@@ -1,0 +1,187 @@
+"""The pages one context holds, over the model's ``KVPool``.
+
+``pages[i]`` holds rows ``[i*P, (i+1)*P)`` of the context (``P`` = the pool's page size).
+``keys`` is the chain of content keys (``engine.page_hashing``) of the leading full
+committed pages: ``keys[i]`` is the key of ``pages[i]``. Every page in the table carries
+one reference of this table.
+
+What a context does with its table, each step a small check and then the act:
+
+* ``reuse``: before computing rows that start at a page boundary, take published pages
+  whose key matches them (prefix cache); nothing to check, a miss stops it;
+* ``pages_needed`` / ``can_reserve`` / ``reserve``: before writing rows ``[start, end)``,
+  make every page they touch one this table may write: a page shared with another holder
+  is copied first (copy-on-write, its rows before ``start`` only), a published page held
+  only here is withdrawn from the prefix cache, new pages are appended. All or nothing:
+  on ``OutOfPagesError`` nothing changed;
+* ``publish``: after rows are committed, register each newly full page under its key (a
+  page whose content another page already holds is swapped for that one);
+* ``truncate`` / ``forget_keys``: keep the pages of the first rows / stop vouching for
+  the content of pages from a row on (they will be rewritten);
+* ``fork``: a second table holding the same committed pages (one more reference each);
+* ``release``: give every page back.
+
+Writes happen only to pages this table holds alone and that are unpublished, so sharing
+(forks, saved contexts, the prefix cache) never corrupts anyone's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from engine.kv_pool import KVPool
+from engine.page_hashing import MediaRow, PageKey, page_key
+
+
+class KeyedRow(Protocol):
+    """What a page's key is made of, per row (``engine.context.Row`` is one)."""
+
+    @property
+    def token(self) -> int: ...
+
+    @property
+    def pos(self) -> tuple[int, ...]: ...
+
+    @property
+    def media(self) -> MediaRow | None: ...
+
+
+def rows_key(parent: PageKey | None, rows: Sequence[KeyedRow]) -> PageKey:
+    """The key of a full page holding ``rows`` after the page keyed ``parent``."""
+    return page_key(parent, [r.token for r in rows], [r.media for r in rows], [r.pos for r in rows])
+
+
+class PageTable:
+    """The pages of one context (see the module doc); released by ``release``."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self._pages: list[int] = []
+        self._keys: list[PageKey] = []
+
+    # -- facts ------------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def pages(self) -> list[int]:
+        """Page ids in row order (a copy)."""
+        return list(self._pages)
+
+    @property
+    def keys(self) -> tuple[PageKey, ...]:
+        """Keys of the leading full committed pages, in order."""
+        return tuple(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def pages_for(self, rows: int) -> int:
+        """How many pages ``rows`` rows fill (the last one maybe partly)."""
+        return -(-rows // self.pool.page_size)
+
+    def covering(self, rows: int) -> list[int]:
+        """The pages holding the first ``rows`` rows."""
+        return self._pages[: self.pages_for(rows)]
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def reuse(self, rows: Sequence[KeyedRow], committed: int, *, limit: int) -> int:
+        """Take published pages for ``rows[committed:]`` (whole pages starting at a page
+        boundary, while they match) without covering row ``limit`` (a row whose output is
+        needed must be computed). Returns the committed row count after it."""
+        ps = self.pool.page_size
+        n = committed
+        while n % ps == 0 and n + ps <= limit:
+            if len(self._keys) != n // ps:
+                break
+            key = rows_key(self._keys[-1] if self._keys else None, rows[n : n + ps])
+            page = self.pool.lookup(key)
+            if page is None:
+                break
+            idx = n // ps
+            if idx < len(self._pages):
+                self.pool.decref([self._pages[idx]])
+                self._pages[idx] = page
+            else:
+                self._pages.append(page)
+            self._keys.append(key)
+            n += ps
+        return n
+
+    def publish(self, rows: Sequence[KeyedRow], committed: int) -> None:
+        """Register every full page among the first ``committed`` rows that has no key yet
+        (``rows`` holds at least those rows)."""
+        ps = self.pool.page_size
+        for idx in range(len(self._keys), committed // ps):
+            key = rows_key(self._keys[-1] if self._keys else None, rows[idx * ps : (idx + 1) * ps])
+            self._pages[idx] = self.pool.register(self._pages[idx], key)
+            self._keys.append(key)
+
+    # -- writing ----------------------------------------------------------------------------
+    def _shared(self, start: int, end: int) -> list[int]:
+        """Indices of the held pages that rows [start, end) touch and someone else holds."""
+        first, last = start // self.pool.page_size, min(self.pages_for(end), len(self._pages))
+        return [i for i in range(first, last) if self.pool.refcount(self._pages[i]) > 1]
+
+    def pages_needed(self, start: int, end: int) -> int:
+        """Fresh pages ``reserve(start, end)`` takes from the pool: new ones past the table's
+        end plus one copy of each shared page the rows touch."""
+        return max(0, self.pages_for(end) - len(self._pages)) + len(self._shared(start, end))
+
+    def can_reserve(self, start: int, end: int) -> bool:
+        return self.pages_needed(start, end) <= self.pool.available()
+
+    def reserve(self, start: int, end: int) -> None:
+        """Make the table cover rows [start, end) with pages this table may write (see the
+        module doc). All or nothing: on ``OutOfPagesError`` nothing changed."""
+        pool, pages, ps = self.pool, self._pages, self.pool.page_size
+        first, last = start // ps, self.pages_for(end)
+        shared = self._shared(start, end)
+        fresh = pool.allocate(max(0, last - len(pages)) + len(shared))
+        for i in shared:
+            dst = fresh.pop()
+            keep = start - i * ps
+            if keep > 0:
+                pool.copy_page(pages[i], dst, rows=keep)
+            pool.decref([pages[i]])
+            pages[i] = dst
+        for i in range(first, min(last, len(pages))):
+            if pool.key_of(pages[i]) is not None:
+                pool.unregister(pages[i])
+        pages.extend(fresh)
+
+    # -- shrinking, sharing, releasing -------------------------------------------------------
+    def forget_keys(self, rows: int) -> None:
+        """Drop the keys of pages from the one holding row ``rows`` on: their rows will be
+        rewritten (the pages stay held)."""
+        del self._keys[rows // self.pool.page_size :]
+
+    def truncate(self, rows: int) -> None:
+        """Keep only the pages holding the first ``rows`` rows (and their keys)."""
+        keep = self.pages_for(rows)
+        drop = self._pages[keep:]
+        if drop:
+            self.pool.decref(drop)
+        del self._pages[keep:]
+        self.forget_keys(rows)
+
+    def fork(self, rows: int) -> PageTable:
+        """A new table holding the pages of the first ``rows`` rows by reference."""
+        child = PageTable(self.pool)
+        held = self.covering(rows)
+        self.pool.incref(held)
+        child._pages = list(held)
+        child._keys = list(self._keys)
+        return child
+
+    def release(self) -> None:
+        """Give every page back (idempotent)."""
+        if self._pages:
+            self.pool.decref(self._pages)
+        self._pages = []
+        self._keys = []
+
+    def __repr__(self) -> str:
+        return f"PageTable({len(self._pages)} pages, {len(self._keys)} published)"
