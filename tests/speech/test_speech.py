@@ -237,6 +237,8 @@ def test_formats_decode_back(greedy, fmt):
 def test_pcm_and_wav(greedy):
     raw = np.frombuffer(greedy.encode("pcm"), dtype="<f4")
     np.testing.assert_array_equal(raw, greedy.pcm)
+    assert greedy.num_samples == len(greedy.pcm) == len(raw)  # samples, not codec frames
+    assert greedy.num_samples == len(greedy.codes) * 1920
     assert len(greedy.encode("s16le")) == 2 * len(greedy.pcm)
     assert greedy.to_wav() == greedy.encode("wav") and greedy.to_wav()[:4] == b"RIFF"
 
