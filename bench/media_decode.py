@@ -7,7 +7,7 @@
 (b) Video: sampling frames from two 60 s 720p H.264 clips that differ only in their
     keyframe interval (10 s vs 0.5 s), forcing ``strategy="sequential"`` and
     ``strategy="seek"``, and what ``strategy="auto"`` picks (the cost model in
-    ``media/video.py``). 16 frames is the headline; a sweep over sample counts shows
+    ``media/timeline.py``). 16 frames is the headline; a sweep over sample counts shows
     where seeking stops paying.
 
 Times are wall-clock medians in one process; absolute numbers on shared CI machines
@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 from fixtures.samples import ensure_bench_media, ensure_samples  # noqa: E402
 from fixtures.video import BENCH_CLIPS, read_marker  # noqa: E402
 from media import Image, Video  # noqa: E402
-from media import video as video_mod  # noqa: E402
+from media.frame_sources import THREAD_TYPE  # noqa: E402
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float, object]]:
@@ -81,7 +81,7 @@ def bench_jpeg(samples: Path, repeats: int) -> None:
 
 def bench_video(bench: Path, repeats: int) -> None:
     print("(b) Video: 16 frames from 60 s 1280x720 30 fps H.264 (sequential = 1.00)")
-    print(f"    cores={os.cpu_count()} decoder threads={video_mod.THREAD_TYPE or 'off'}; median of {repeats}")
+    print(f"    cores={os.cpu_count()} decoder threads={THREAD_TYPE or 'off'}; median of {repeats}")
     print(
         f"    {'clip':<24}{'strategy':<12}{'wall ms':>9}{'cpu ms':>8}{'ratio':>7}{'decoded':>9}"
         f"{'seeks':>7}{'model':>7}  auto picks"
@@ -110,7 +110,7 @@ def bench_video(bench: Path, repeats: int) -> None:
                 f"{s.frames_decoded:>9}{s.seeks:>7}{est[strategy]:>7}  {pick}"
             )
         kf = v.keyframe_indices
-        gop = (kf[1] - kf[0]) if len(kf) > 1 else v.frame_count
+        gop = (kf[1] - kf[0]) if len(kf) > 1 else v.info.frame_count
         print(f"    {'':<24}(keyframes: {len(kf)}, one every {gop} frames)")
     print("    ratio = cpu time / sequential cpu time; model = frames the cost model expects to decode")
     print()

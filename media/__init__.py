@@ -15,8 +15,10 @@ from media.errors import (
 from media.hashing import content_hash
 from media.image import Image
 from media.limits import DEFAULT_LIMITS, MediaLimits
+from media.timeline import DecodePlan, Timeline
 from media.validation import check_int, check_number
-from media.video import DecodePlan, SampledFrames, SkippedFrame, Video
+from media.video import SampledFrames, SkippedFrame, Video
+from media.video_info import VideoInfo
 
 __all__ = [
     "Audio",
@@ -33,8 +35,10 @@ __all__ = [
     "PieMediaError",
     "SampledFrames",
     "SkippedFrame",
+    "Timeline",
     "UnsupportedFormatError",
     "Video",
+    "VideoInfo",
     "check_int",
     "check_number",
     "content_hash",

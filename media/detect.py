@@ -1,5 +1,6 @@
 """Which kind of media are these bytes? Try the decoders in an order the magic bytes
-suggest; the first decoder that recognises the format decides (its error included)."""
+(:func:`media.sniff.sniff`) suggest; the first decoder that recognises the format
+decides (its error included)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,13 @@ from media.audio import Audio
 from media.errors import EmptyMediaError, MediaError, PieMediaError, UnsupportedFormatError
 from media.image import Image
 from media.limits import DEFAULT_LIMITS, MediaLimits
+from media.sniff import sniff
 from media.video import Video
 
 Media = Image | Audio | Video
 
-_AUDIO_MAGIC = (b"fLaC", b"OggS", b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2", b"FORM", b"caff")
 # Formats Pillow reads whose files may hold an animation (then they are videos).
 _MAYBE_ANIMATED = {"GIF", "WEBP", "PNG"}
-
-
-def _looks_like_audio(data: bytes) -> bool:
-    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
-        return True
-    return data.startswith(_AUDIO_MAGIC)
 
 
 def open_media(data: bytes, limits: MediaLimits | None = None, kind: str | None = None) -> Media:
@@ -48,13 +43,15 @@ def open_media(data: bytes, limits: MediaLimits | None = None, kind: str | None 
         if image.format in _MAYBE_ANIMATED:
             try:
                 video = Video.from_bytes(data, limits)
-                if video.frame_count > 1:
+                if video.info.frame_count > 1:
                     return video
             except MediaError:
                 pass
         return image
 
-    order = (Audio, Video) if _looks_like_audio(data) else (Video, Audio)
+    sniffed = sniff(data)
+    # Audio formats that may also carry video (Ogg, M4A) are audio first.
+    order = (Audio, Video) if sniffed is not None and sniffed.kind == "audio" else (Video, Audio)
     for cls in order:
         try:
             return cls.from_bytes(data, limits)

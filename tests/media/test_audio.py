@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures import audio as fa
-from media.audio import RESAMPLE_QUALITY, Audio, _read_sndfile
+from media.audio import RESAMPLE_QUALITY, Audio
+from media.audio_decode import read_sndfile
 from media.errors import (
     CorruptMediaError,
     EmptyMediaError,
@@ -354,10 +355,10 @@ class _UnderDeclaringFile:
 
 def test_sndfile_guard_stops_past_the_limit() -> None:
     limits = MediaLimits(max_audio_seconds=5.0)
-    ok = _read_sndfile(_UnderDeclaringFile(4000), limits, 10**6)  # type: ignore[arg-type]
+    ok = read_sndfile(_UnderDeclaringFile(4000), limits, 10**6)  # type: ignore[arg-type]
     assert ok.samples.shape == (4000, 1)
     with pytest.raises(MediaTooLongError):
-        _read_sndfile(_UnderDeclaringFile(10**9), limits, 10**6)  # type: ignore[arg-type]
+        read_sndfile(_UnderDeclaringFile(10**9), limits, 10**6)  # type: ignore[arg-type]
 
 
 def test_error_to_dict(audio_dir: Path) -> None:
