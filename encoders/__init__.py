@@ -6,6 +6,7 @@ from encoders.cache import CacheStats, EncoderCache
 from encoders.errors import EncoderError, UnsupportedMediaKindError, UnsupportedModelError
 from encoders.prepared import Encoded, Prepared
 from encoders.registry import encoder_for
+from encoders.span import TokenType
 
 __all__ = [
     "CacheStats",
@@ -14,6 +15,7 @@ __all__ = [
     "EncoderCache",
     "MediaEncoder",
     "Prepared",
+    "TokenType",
     "UnsupportedMediaKindError",
     "UnsupportedModelError",
     "encoder_for",

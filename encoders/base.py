@@ -1,20 +1,24 @@
 """The shape every model-specific media encoder shares: prepare (cached by content
-hash + parameters), encode a batch (cached per item), count tower calls."""
+hash + parameters), encode a batch (cached per item), count tower calls; and what an
+encoder read from a checkpoint directory keeps (:class:`CheckpointEncoder`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 from encoders.cache import EncoderCache
-from encoders.errors import UnsupportedMediaKindError
+from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
 from encoders.prepared import Encoded, MediaKind, Prepared
-from media import Audio, Image, InvalidRequestError, Video
+from media import Audio, Image, InvalidRequestError, Video, check_int, check_number
 
 
 def model_fingerprint(model_dir: str | Path | None, config: dict[str, Any]) -> str:
@@ -29,6 +33,16 @@ def model_fingerprint(model_dir: str | Path | None, config: dict[str, Any]) -> s
             with f.open("rb") as fh:
                 h.update(fh.read(1 << 16))
     return h.hexdigest()
+
+
+def optional_positive(name: str, value: Any, *, integer: bool, kind: str) -> Any:
+    """``value`` checked as a positive int (``integer``) or a positive finite number; None
+    passes through (the parameter was not given)."""
+    if value is None:
+        return None
+    if integer:
+        return check_int(name, value, min=1, kind=kind)
+    return check_number(name, value, min=0, min_open=True, kind=kind)
 
 
 def kind_of(media: Image | Audio | Video) -> MediaKind:
@@ -56,9 +70,6 @@ class MediaEncoder(ABC):
         self.prepare_calls = 0
 
     # -- public -------------------------------------------------------------------------
-    def supports(self, kind: MediaKind) -> bool:
-        return kind in self.kinds
-
     def prepare(self, media: Image | Audio | Video, **params: Any) -> Prepared:
         kind = kind_of(media)
         if kind not in self.kinds:
@@ -130,3 +141,74 @@ class MediaEncoder(ABC):
 
     @abstractmethod
     def _encode(self, kind: MediaKind, items: list[Prepared]) -> list[Encoded]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """What :meth:`CheckpointEncoder.from_config` was given: the checkpoint directory, its
+    parsed ``config.json``, the cache, and where the towers run."""
+
+    model_dir: Path
+    config: dict[str, Any]
+    cache: EncoderCache | None
+    device: torch.device
+    dtype: torch.dtype
+
+    def placed_like(self, modules: Iterable[torch.nn.Module]) -> Checkpoint:
+        """Device and dtype of the first of ``modules`` that has parameters (towers the
+        engine already holds win), else unchanged."""
+        for module in modules:
+            param = next(module.parameters(), None)
+            if param is not None:
+                return dataclasses.replace(self, device=param.device, dtype=param.dtype)
+        return self
+
+
+class CheckpointEncoder(MediaEncoder):
+    """A :class:`MediaEncoder` built from a Hugging Face checkpoint directory: keeps its
+    ``config.json``, directory and tokenizer, and the device and dtype its towers run in
+    (towers are built on first use, under ``_tower_lock``). Subclasses set
+    ``display_name`` and implement ``_from_checkpoint``."""
+
+    display_name: str = ""
+    """The family as messages name it, e.g. ``"Qwen3-VL"``."""
+
+    def __init__(self, checkpoint: Checkpoint, *, tokenizer: Any, fingerprint_suffix: str = ""):
+        super().__init__(
+            name=checkpoint.model_dir.name,
+            fingerprint=model_fingerprint(checkpoint.model_dir, checkpoint.config) + fingerprint_suffix,
+            cache=checkpoint.cache,
+        )
+        self.config = checkpoint.config
+        self.model_dir = checkpoint.model_dir
+        self.tokenizer = tokenizer
+        self.device = torch.device(checkpoint.device)
+        self.dtype = checkpoint.dtype
+        self._tower_lock = threading.Lock()
+
+    @classmethod
+    def from_config(
+        cls,
+        model_dir: str | Path | None,
+        config: dict[str, Any],
+        *,
+        cache: EncoderCache | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        **options: Any,
+    ) -> Self:
+        """The encoder of the checkpoint in ``model_dir`` (``config``: its parsed
+        ``config.json``): processor configs and tokenizer read from there, towers on
+        ``device`` in ``dtype``. ``options`` are the family's: see its
+        ``_from_checkpoint``."""
+        if model_dir is None:
+            raise UnsupportedModelError(
+                f"{cls.display_name} needs its checkpoint directory (processor configs, tokenizer)"
+            )
+        return cls._from_checkpoint(
+            Checkpoint(Path(model_dir), config, cache, torch.device(device), dtype), **options
+        )
+
+    @classmethod
+    @abstractmethod
+    def _from_checkpoint(cls, checkpoint: Checkpoint, **options: Any) -> Self: ...

@@ -1,5 +1,5 @@
 """Video-frame resize equal to what the reference video processors do with torchvision
-on CPU (torchvision does not import here, so its CPU path is reproduced with torch)."""
+on CPU (torchvision is not a dependency, so its CPU path is reproduced with torch)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,6 @@ Reference (transformers 5.23, ``models/gemma4``), read top to bottom:
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from encoders.base import MediaEncoder, model_fingerprint
-from encoders.cache import EncoderCache
-from encoders.checkpoint_files import load_tokenizer, read_json, weight_files
+from encoders.base import Checkpoint, CheckpointEncoder, optional_positive
+from encoders.checkpoint_files import (
+    load_tokenizer,
+    read_processor_files,
+    read_tower_weights,
+    special_token_id,
+)
 from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
 from encoders.gemma4_audio import AudioSettings, LogMel, audio_token_count, valid_frame_count
 from encoders.gemma4_vision import (
@@ -57,6 +60,7 @@ from encoders.gemma4_vision import (
     timestamp_text,
 )
 from encoders.prepared import Encoded, MediaKind, Prepared
+from encoders.span import Placeholders, Segment, Span, Text, TextIds, TokenType, build_span
 from media import Audio, Image, Video
 from media.errors import EmptyMediaError, InvalidRequestError, MediaTooLongError
 
@@ -89,7 +93,7 @@ class SpecialTokens:
     audio: int | None
 
 
-class Gemma4Encoder(MediaEncoder):
+class Gemma4Encoder(CheckpointEncoder):
     """Preparation and encoder towers of a ``Gemma4ForConditionalGeneration`` checkpoint.
 
     ``prepare(Image | Video | Audio, **params)`` -> :class:`~encoders.prepared.Prepared`;
@@ -109,70 +113,54 @@ class Gemma4Encoder(MediaEncoder):
     """
 
     family = FAMILY
+    display_name = "Gemma-4"
 
     def __init__(
         self,
+        checkpoint: Checkpoint,
         *,
-        name: str,
-        fingerprint: str,
-        cache: EncoderCache | None,
-        config: dict[str, Any],
+        tokenizer: Any,
         image: VisionSettings,
         video: VisionSettings,
         audio: AudioSettings | None,
         processor: dict[str, Any],
         tokens: SpecialTokens,
-        tokenizer: Any,
-        model_dir: Path | None,
         towers: dict[str, torch.nn.Module],
-        device: str | torch.device,
-        dtype: torch.dtype,
         exact_audio: bool = True,
     ):
-        super().__init__(name=name, fingerprint=fingerprint, cache=cache)
-        self.config = config
+        super().__init__(checkpoint, tokenizer=tokenizer, fingerprint_suffix="" if exact_audio else "+f32mel")
         self.image_settings = image
         self.video_settings = video
         self.audio_settings = audio
         self.processor_settings = processor
         self.tokens = tokens
-        self.tokenizer = tokenizer
-        self.model_dir = model_dir
-        self.device = torch.device(device)
-        self.dtype = dtype
         self._towers = dict(towers)
-        self._tower_lock = threading.Lock()
-        has_vision = config.get("vision_config") is not None
         kinds: set[MediaKind] = set()
-        if has_vision:
+        if self.config.get("vision_config") is not None:
             kinds.add("image")
             if tokenizer is not None:
                 kinds.add("video")
         if audio is not None:
             kinds.add("audio")
         self.kinds = frozenset(kinds)
-        text = config.get("text_config") or {}
+        text = self.config.get("text_config") or {}
         self.bidirectional_vision = text.get("use_bidirectional_attention") == "vision"
         self._image_table = image.pixel_table(video=False)
         self._video_table = video.pixel_table(video=True)
         self._logmel = LogMel(audio, exact=exact_audio) if audio is not None else None
-        self._text_ids: dict[str, tuple[int, ...]] = {}
+        self._text_ids = TextIds(tokenizer)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
-    def from_config(
+    def _from_checkpoint(
         cls,
-        model_dir: str | Path | None,
-        config: dict[str, Any],
+        checkpoint: Checkpoint,
         *,
-        cache: EncoderCache | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
         towers: dict[str, torch.nn.Module] | None = None,
         load_weights: bool = True,
         exact_audio: bool = True,
     ) -> Gemma4Encoder:
-        """Read the processor configs and tokenizer from ``model_dir``; build the towers.
+        """Read the processor configs and tokenizer from the checkpoint; build the towers.
 
         ``towers``: modules the engine already holds, keyed like the ``Gemma4Model``
         attributes (``vision_tower``, ``embed_vision``, ``audio_tower``, ``embed_audio``);
@@ -184,11 +172,7 @@ class Gemma4Encoder(MediaEncoder):
         :class:`~encoders.gemma4_audio.LogMel`): faster, within float32 rounding of the
         reference instead of bit-identical; it is part of the cache fingerprint.
         """
-        if model_dir is None:
-            raise UnsupportedModelError(
-                "Gemma-4 needs its checkpoint directory (processor configs, tokenizer)"
-            )
-        model_dir = Path(model_dir)
+        model_dir, config = checkpoint.model_dir, checkpoint.config
         if config.get("vision_config") is None and config.get("audio_config") is None:
             raise UnsupportedModelError(
                 f"{model_dir.name}: config.json has neither a vision_config nor an audio_config"
@@ -218,27 +202,16 @@ class Gemma4Encoder(MediaEncoder):
         unknown = set(given) - set(TOWER_NAMES)
         if unknown:
             raise ValueError(f"unknown tower names {sorted(unknown)}; expected some of {TOWER_NAMES}")
-        for module in given.values():
-            param = next(module.parameters(), None)
-            if param is not None:
-                device, dtype = param.device, param.dtype
-                break
         enc = cls(
-            name=model_dir.name,
-            fingerprint=model_fingerprint(model_dir, config) + ("" if exact_audio else "+f32mel"),
-            cache=cache,
-            config=config,
+            checkpoint.placed_like(given.values()),
+            tokenizer=tokenizer,
             image=image,
             video=video,
             audio=audio,
             exact_audio=exact_audio,
             processor={k: v for k, v in blocks.items() if not isinstance(v, dict)},
             tokens=tokens,
-            tokenizer=tokenizer,
-            model_dir=model_dir,
             towers=given,
-            device=device,
-            dtype=dtype,
         )
         if load_weights:
             enc.towers  # noqa: B018 - load now
@@ -299,52 +272,15 @@ class Gemma4Encoder(MediaEncoder):
             return self._prepare_video(media, cache_key, params)
         return self._prepare_audio(media, cache_key, params)
 
-    def _span(
-        self,
-        *,
-        kind: MediaKind,
-        ids: list[int],
-        placeholder: int,
-        token_type: int,
-        grid: tuple[int, int, int],
-        inputs: dict[str, torch.Tensor],
-        content_hash: str,
-        cache_key: str,
-        meta: dict[str, Any],
-        timestamps: tuple[float, ...] | None = None,
-    ) -> Prepared:
-        arr = np.asarray(ids, dtype=np.int64)
-        is_placeholder = arr == placeholder
-        count = int(is_placeholder.sum())
-        first = int(np.argmax(is_placeholder))
-        last = len(ids) - int(np.argmax(is_placeholder[::-1]))
-        mm_type = tuple(int(v) for v in np.where(is_placeholder, token_type, 0))
-        if kind in ("image", "video"):
-            # Runs of vision tokens: the blocks get_block_sequence_ids_for_mask builds.
-            edges = np.flatnonzero(np.diff(np.concatenate(([0], is_placeholder.astype(np.int8), [0]))))
-            meta["bidirectional_blocks"] = [
-                [int(a), int(b)] for a, b in zip(edges[::2], edges[1::2], strict=True)
-            ]
-            meta["bidirectional_attention"] = self.bidirectional_vision
-        n = len(ids)
-        return Prepared(
-            kind=kind,
-            family=FAMILY,
-            input_ids=tuple(int(i) for i in ids),
-            placeholder_id=placeholder,
-            token_count=count,
-            grid=grid,
-            positions=torch.arange(n, dtype=torch.long).view(1, n),
-            position_span=n,
-            prefix_tokens=tuple(int(i) for i in ids[:first]),
-            suffix_tokens=tuple(int(i) for i in ids[last:]),
-            inputs=inputs,
-            content_hash=content_hash,
-            cache_key=cache_key,
-            mm_token_type=mm_type,
-            timestamps=timestamps,
-            meta=meta,
-        )
+    def _vision_meta(self, span: Span, meta: dict[str, Any]) -> dict[str, Any]:
+        """``meta`` plus the runs of vision tokens (the blocks
+        ``get_block_sequence_ids_for_mask`` builds) and whether the model attends
+        bidirectionally within them."""
+        return {
+            **meta,
+            "bidirectional_blocks": [[a, b] for a, b in span.placeholder_runs],
+            "bidirectional_attention": self.bidirectional_vision,
+        }
 
     def _prepare_image(self, image: Image, cache_key: str, params: dict[str, Any]) -> Prepared:
         self._check_params(params, _IMAGE_PARAMS, "image")
@@ -367,22 +303,24 @@ class Gemma4Encoder(MediaEncoder):
         )
         tokens = real // s.pooling_kernel_size**2
         t = self.tokens
-        return self._span(
+        span = build_span(
+            [Text((t.boi,)), Placeholders(t.image, TokenType.IMAGE, tokens), Text((t.eoi,))], rope="1d"
+        )
+        meta = {
+            "source_size": [width, height],
+            "resized_size": [tw, th],
+            "patch_grid": [th // s.patch_size, tw // s.patch_size],
+            "max_soft_tokens": budget,
+            "params": dict(params),
+        }
+        return span.prepared(
             kind="image",
-            ids=[t.boi, *([t.image] * tokens), t.eoi],
-            placeholder=t.image,
-            token_type=1,
+            family=FAMILY,
             grid=(1, th // unit, tw // unit),
             inputs={"pixel_values": values, "image_position_ids": positions},
             content_hash=image.content_hash,
             cache_key=cache_key,
-            meta={
-                "source_size": [width, height],
-                "resized_size": [tw, th],
-                "patch_grid": [th // s.patch_size, tw // s.patch_size],
-                "max_soft_tokens": budget,
-                "params": dict(params),
-            },
+            meta=self._vision_meta(span, meta),
         )
 
     def _prepare_video(self, video: Video, cache_key: str, params: dict[str, Any]) -> Prepared:
@@ -394,14 +332,8 @@ class Gemma4Encoder(MediaEncoder):
             num_frames, fps = params.get("num_frames"), params.get("fps")
         if num_frames is not None and fps is not None:
             raise InvalidRequestError("`num_frames` and `fps` are mutually exclusive, give one", kind="video")
-        if num_frames is not None and (
-            isinstance(num_frames, bool) or not isinstance(num_frames, (int, np.integer)) or num_frames < 1
-        ):
-            raise InvalidRequestError(
-                f"num_frames must be a positive integer, got {num_frames!r}", kind="video"
-            )
-        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
-            raise InvalidRequestError(f"fps must be a positive number, got {fps!r}", kind="video")
+        num_frames = optional_positive("num_frames", num_frames, integer=True, kind="video")
+        fps = optional_positive("fps", fps, integer=False, kind="video")
         total = video.frame_count
         if total < 1:
             raise EmptyMediaError("the video has no frames", actual=0, kind="video")
@@ -427,16 +359,32 @@ class Gemma4Encoder(MediaEncoder):
         seconds = [i / video_fps for i in sampled.indices]
         stamps = [timestamp_text(x) for x in seconds]
         t = self.tokens
-        ids: list[int] = []
+        # Per frame "mm:ss " <|image> pads <image|>, frames joined by a space.
+        segments: list[Segment] = []
         for k, stamp in enumerate(stamps):
-            ids += self._text(f"{stamp} " if k == 0 else f" {stamp} ")
-            ids += [t.boi, *([t.video] * per_frame), t.eoi]
+            segments += [
+                Text((*self._text(f"{stamp} " if k == 0 else f" {stamp} "), t.boi)),
+                Placeholders(t.video, TokenType.VIDEO, per_frame),
+                Text((t.eoi,)),
+            ]
+        span = build_span(segments, rope="1d")
+        meta = {
+            "source_size": [width, height],
+            "resized_size": [tw, th],
+            "patch_grid": [th // s.patch_size, tw // s.patch_size],
+            "max_soft_tokens": budget,
+            "tokens_per_frame": per_frame,
+            "frame_indices": list(sampled.indices),
+            "frame_times": [float(x) for x in sampled.timestamps],
+            "timestamp_text": stamps,
+            "video_fps": video_fps,
+            "skipped_frames": [f.to_dict() for f in sampled.skipped],
+            "params": dict(params),
+        }
         unit = s.side_multiple
-        return self._span(
+        return span.prepared(
             kind="video",
-            ids=ids,
-            placeholder=t.video,
-            token_type=2,
+            family=FAMILY,
             grid=(n, th // unit, tw // unit),
             inputs={
                 "pixel_values_videos": values,
@@ -446,19 +394,7 @@ class Gemma4Encoder(MediaEncoder):
             content_hash=video.content_hash,
             cache_key=cache_key,
             timestamps=tuple(seconds),
-            meta={
-                "source_size": [width, height],
-                "resized_size": [tw, th],
-                "patch_grid": [th // s.patch_size, tw // s.patch_size],
-                "max_soft_tokens": budget,
-                "tokens_per_frame": per_frame,
-                "frame_indices": list(sampled.indices),
-                "frame_times": [float(x) for x in sampled.timestamps],
-                "timestamp_text": stamps,
-                "video_fps": video_fps,
-                "skipped_frames": [f.to_dict() for f in sampled.skipped],
-                "params": dict(params),
-            },
+            meta=self._vision_meta(span, meta),
         )
 
     def _prepare_audio(self, audio: Audio, cache_key: str, params: dict[str, Any]) -> Prepared:
@@ -494,11 +430,12 @@ class Gemma4Encoder(MediaEncoder):
             )
         t = self.tokens
         assert t.boa is not None and t.eoa is not None and t.audio is not None
-        return self._span(
+        span = build_span(
+            [Text((t.boa,)), Placeholders(t.audio, TokenType.AUDIO, tokens), Text((t.eoa,))], rope="1d"
+        )
+        return span.prepared(
             kind="audio",
-            ids=[t.boa, *([t.audio] * tokens), t.eoa],
-            placeholder=t.audio,
-            token_type=3,
+            family=FAMILY,
             grid=(1, 1, tokens),
             inputs={
                 "input_features": torch.from_numpy(features).unsqueeze(0),
@@ -530,11 +467,7 @@ class Gemma4Encoder(MediaEncoder):
         its own run, which equals the reference whenever that text ends in a special token
         or in text the tokenizer does not merge with the digits (as the chat template's
         ``"<|turn>user\n"``: checked in the tests)."""
-        ids = self._text_ids.get(text)
-        if ids is None:
-            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
-            self._text_ids[text] = ids
-        return ids
+        return self._text_ids(text)
 
     # -- encode -------------------------------------------------------------------------
     def _encode(self, kind: MediaKind, items: list[Prepared]) -> list[Encoded]:
@@ -653,17 +586,16 @@ def _read_processor_configs(model_dir: Path) -> dict[str, Any]:
     blocks of ``processor_config.json`` (``image_processor``, ``feature_extractor``,
     ``video_processor`` and the processor's own keys) first, else the flat
     ``preprocessor_config.json`` / ``video_preprocessor_config.json`` files."""
-    out: dict[str, Any] = {}
-    if (model_dir / "processor_config.json").is_file():
-        out.update(read_json(model_dir / "processor_config.json"))
-    if (model_dir / "preprocessor_config.json").is_file():
-        flat = read_json(model_dir / "preprocessor_config.json")
+    files = read_processor_files(model_dir)
+    out = dict(files.nested)
+    flat = files.preprocessor
+    if flat is not None:
         if "feature_extractor_type" in flat and "image_processor_type" not in flat:
             out.setdefault("feature_extractor", flat)
         else:
             out.setdefault("image_processor", flat)
-    if (model_dir / "video_preprocessor_config.json").is_file():
-        out.setdefault("video_processor", read_json(model_dir / "video_preprocessor_config.json"))
+    if files.video_preprocessor is not None:
+        out.setdefault("video_processor", files.video_preprocessor)
     return out
 
 
@@ -677,24 +609,13 @@ def _special_tokens(config: dict[str, Any], tokenizer: Any) -> SpecialTokens:
         "eoa": (("eoa_token_id", "eoa_token_index"), "<audio|>"),
         "audio": (("audio_token_id",), "<|audio|>"),
     }
-    ids: dict[str, int | None] = {}
-    for field, (keys, token) in names.items():
-        from_config = next((config[k] for k in keys if config.get(k) is not None), None)
-        from_tokenizer = tokenizer.token_to_id(token) if tokenizer is not None else None
-        if from_config is not None and from_tokenizer is not None and int(from_config) != from_tokenizer:
-            raise UnsupportedModelError(
-                f"config.json {keys[0]}={from_config} disagrees with tokenizer.json {token}={from_tokenizer}"
-            )
-        value = from_config if from_config is not None else from_tokenizer
-        if (
-            value is None
-            and field in ("boi", "eoi", "image", "video")
-            and config.get("vision_config") is not None
-        ):
-            raise UnsupportedModelError(
-                f"neither config.json ({keys[0]}) nor tokenizer.json ({token}) gives its id"
-            )
-        ids[field] = None if value is None else int(value)
+    vision = config.get("vision_config") is not None
+    ids = {
+        field: special_token_id(
+            config, keys, token, tokenizer, required=vision and field in ("boi", "eoi", "image", "video")
+        )
+        for field, (keys, token) in names.items()
+    }
     return SpecialTokens(**ids)  # type: ignore[arg-type]
 
 
@@ -706,7 +627,6 @@ def _build_towers(
 ) -> dict[str, torch.nn.Module]:
     """transformers' Gemma-4 tower modules for ``names``, with only their weights read from
     the checkpoint's safetensors (sharded or not)."""
-    from safetensors import safe_open
     from transformers import Gemma4Config
     from transformers.initialization import no_init_weights
     from transformers.models.gemma4.modeling_gemma4 import (
@@ -718,17 +638,7 @@ def _build_towers(
     if model_dir is None:
         raise UnsupportedModelError("no checkpoint directory to load the tower weights from")
     cfg = Gemma4Config.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
-    wanted = {n: _PREFIXES[n] for n in names}
-    all_prefixes = tuple(p for n in names for p in wanted[n])
-    state: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
-    for f in weight_files(model_dir, all_prefixes):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                for n, prefixes in wanted.items():
-                    prefix = next((p for p in prefixes if key.startswith(p)), None)
-                    if prefix is not None:
-                        state[n][key[len(prefix) :]] = st.get_tensor(key)
-                        break
+    state = read_tower_weights(model_dir, {n: _PREFIXES[n] for n in names})
     modules: dict[str, torch.nn.Module] = {}
     with no_init_weights():
         for n in names:

@@ -15,8 +15,9 @@ Images (``Gemma4ImageProcessorPil``):
 4. 16x16 patches in (row, col, channel) order, position ids (x, y) per patch, both padded
    to ``max_soft_tokens * 9`` rows (pixels 0, positions -1).
 
-Videos (``Gemma4VideoProcessor``, a torchvision processor that cannot run here): frame
-indices ``arange(num_frames) * total // num_frames``; each frame resized with
+Videos (``Gemma4VideoProcessor``, a torchvision processor; torchvision is not a
+dependency, so it is reproduced): frame indices ``arange(num_frames) * total //
+num_frames``; each frame resized with
 ``torchvision.transforms.v2.functional.resize(..., antialias=True)``, which for uint8
 input on CPU is ``torch.nn.functional.interpolate(uint8, mode="bicubic",
 antialias=True)`` (torch's native uint8 kernel; reproduced here without torchvision),
@@ -35,7 +36,7 @@ import torch
 
 from encoders.errors import UnsupportedModelError
 from encoders.frame_resize import TORCH_MODES, resize_frames_like_torchvision
-from media.errors import InvalidRequestError
+from media import InvalidRequestError, check_int
 
 __all__ = [
     "SUPPORTED_SOFT_TOKENS",
@@ -52,19 +53,20 @@ SUPPORTED_SOFT_TOKENS: tuple[int, ...] = (70, 140, 280, 560, 1120)
 
 
 def check_budget(value: Any, kind: str) -> int:
-    """``max_soft_tokens`` validated against :data:`SUPPORTED_SOFT_TOKENS`."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or int(value) not in SUPPORTED_SOFT_TOKENS
-    ):
+    """``max_soft_tokens`` validated against :data:`SUPPORTED_SOFT_TOKENS` (one error, with
+    the supported values as its limit, for a wrong type and a wrong value alike)."""
+    try:
+        budget: int | None = check_int("max_soft_tokens", value, kind=kind)
+    except InvalidRequestError:
+        budget = None
+    if budget not in SUPPORTED_SOFT_TOKENS:
         raise InvalidRequestError(
             f"max_soft_tokens must be one of {', '.join(map(str, SUPPORTED_SOFT_TOKENS))}, got {value!r}",
             limit=list(SUPPORTED_SOFT_TOKENS),
             actual=value if isinstance(value, (int, float, str)) else repr(value),
             kind=kind,
         )
-    return int(value)
+    return budget
 
 
 @dataclass(frozen=True)
@@ -199,9 +201,6 @@ def aspect_ratio_preserving_size(
             f"resizing {width}x{height} to {target_width}x{target_height} exceeds {max_patches} patches"
         )
     return target_height, target_width
-
-
-# --------------------------------------------------------------------------- resize
 
 
 # --------------------------------------------------------------------------- patches

@@ -61,8 +61,9 @@ class Prepared:
     """(model fingerprint, content hash, preparation parameters): the encoder-cache key."""
 
     mm_token_type: tuple[int, ...] = ()
-    """Per-row modality type as the reference's ``mm_token_type_ids`` (0 text,
-    1 image, 2 video, 3 audio where the model uses it); empty when not needed."""
+    """Per-row modality type as the reference's ``mm_token_type_ids``: the int values of
+    :class:`~encoders.span.TokenType` (0 text, 1 image, 2 video, 3 audio where the model
+    uses it); empty when not needed."""
 
     timestamps: tuple[float, ...] | None = None
     """Video: the per-temporal-group timestamps (seconds) the reference emits."""

@@ -662,7 +662,14 @@ def test_video_parameters_are_validated(enc, samples):
     video = Video.from_path(samples / "video" / "h264_256x192_24fps_2s.mkv")
     with pytest.raises(InvalidRequestError, match="mutually exclusive"):
         enc.prepare(video, num_frames=4, fps=1)
-    for bad in ({"num_frames": 0}, {"fps": -1}, {"max_soft_tokens": 71}, {"frames": 3}):
+    for bad in (
+        {"num_frames": 0},
+        {"num_frames": True},
+        {"fps": -1},
+        {"fps": float("inf")},
+        {"max_soft_tokens": 71},
+        {"frames": 3},
+    ):
         with pytest.raises(InvalidRequestError):
             enc.prepare(video, **bad)
 

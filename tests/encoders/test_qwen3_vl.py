@@ -371,11 +371,11 @@ def test_image_params_override_bounds(encoder, image_processor):
 def test_pixel_math_for_other_settings(settings, use_table):
     """The fused rescale/normalise is exact for other processor settings too, both through
     the self-checked float32 arithmetic and through the lookup table it falls back to."""
-    from encoders.qwen3_vl import ImageSettings, _ImagePixels
+    from encoders.qwen3_vl import ImagePixels, ImageSettings
 
     base = {"patch_size": 16, "merge_size": 2, "size": {"shortest_edge": 4096, "longest_edge": 1 << 24}}
     cfg = {**base, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, **settings}
-    pixels = _ImagePixels(ImageSettings.from_dict(cfg))
+    pixels = ImagePixels(ImageSettings.from_dict(cfg))
     assert pixels.arithmetic_exact or settings  # Qwen3-VL's own settings take the fast path
     if use_table:
         pixels.arithmetic_exact = False
@@ -627,7 +627,10 @@ def test_video_params(encoder, videos_dir):
         {"fps": 2, "num_frames": 4},
         {"fps": -1},
         {"fps": float("nan")},
+        {"fps": float("inf")},
         {"num_frames": 2.5},
+        {"min_frames": 0},
+        {"max_pixels": True},
         {"frames": 3},
     ):
         with pytest.raises(InvalidRequestError):
