@@ -1,0 +1,1 @@
+"""api.http: the HTTP service (``pie-media serve``)."""
