@@ -16,13 +16,22 @@ processor replaces it with the expanded placeholders.
 After a generation, ``close_turn`` completes the assistant turn the way the template
 would render it (e.g. the ``\\n`` after ``<|im_end|>``, or the end-of-turn token when the
 generation stopped on length), keeping the tokens the model actually produced.
+
+A context's side of it is ``ChatState`` (the messages so far, the assistant turn being
+generated), ``chat_message`` (a role call's content as a template message plus its
+media) and ``template_pieces`` (rendered text cut at the media markers).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from encoders import Prepared
 
 Message = dict[str, Any]
 
@@ -93,3 +102,95 @@ class ChatTemplate:
             if raw.endswith(closing[:k]):
                 return closing[k:]
         return closing
+
+
+class MediaMarkers(Protocol):
+    """What ``template_pieces`` needs from an architecture (``engine.architectures``)."""
+
+    def media_marker(self, kind: str) -> str: ...
+
+    def placeholder_ids(self) -> dict[str, int]: ...
+
+
+@dataclass
+class ChatState:
+    """The conversation a context holds: the messages its role calls added, and after
+    ``cue()`` the assistant turn being generated (its token ids, to close it later)."""
+
+    messages: list[Message] = field(default_factory=list)
+    open_turn: bool = False
+    turn_tokens: list[int] = field(default_factory=list)
+
+    def copy(self) -> ChatState:
+        return ChatState(list(self.messages), self.open_turn, list(self.turn_tokens))
+
+    def open(self) -> None:
+        """The generation prompt was appended: what follows is the assistant's turn."""
+        self.open_turn = True
+        self.turn_tokens = []
+
+    def record(self, ids: Sequence[int]) -> None:
+        """Token ids appended to the context (part of the open turn, if any)."""
+        if self.open_turn:
+            self.turn_tokens.extend(ids)
+
+    def forget(self, removed: int) -> None:
+        """The context's last ``removed`` rows were cut off."""
+        if self.open_turn and removed:
+            keep = max(0, len(self.turn_tokens) - removed)
+            del self.turn_tokens[keep:]
+
+    def close_turn(self, template: ChatTemplate, detokenize: Callable[..., str]) -> str:
+        """Close the open assistant turn, if any: record it in the history and return the
+        text still to append for the context to read as the template renders it ("" when
+        no turn is open). ``detokenize(ids, skip_special_tokens=...)``: the model's."""
+        if not self.open_turn:
+            return ""
+        raw = detokenize(self.turn_tokens)
+        content = detokenize(self.turn_tokens, skip_special_tokens=True)
+        tail = template.close_turn(self.messages, content, raw)
+        self.open_turn = False
+        self.turn_tokens = []
+        self.messages.append({"role": "assistant", "content": [{"type": "text", "text": content}]})
+        return tail
+
+
+def chat_message(
+    role: str, content: Sequence[Any], prepare: Callable[[Any], Prepared]
+) -> tuple[Message, list[Prepared]]:
+    """A role call's ``content`` (text parts and media, in order) as a template message,
+    with each media part prepared (``prepare``: the model's)."""
+    parts: list[dict[str, Any]] = []
+    media: list[Prepared] = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+        else:
+            p = prepare(part)
+            media.append(p)
+            parts.append({"type": p.kind})
+    return {"role": role, "content": parts}, media
+
+
+def template_pieces(text: str, media: Sequence[Prepared], arch: MediaMarkers) -> Iterator[str | Prepared]:
+    """``text`` as rendered by the template, cut at the media markers: the text before each
+    marker, then the media item that replaces it, ..., then the rest. Lazily, so a context
+    appending the pieces stops where a marker is missing (``InvalidRequestError``); a
+    marker left in the text with no media attached is refused before the rest."""
+    rest = text
+    for p in media:
+        marker = arch.media_marker(p.kind)
+        at = rest.find(marker)
+        if at < 0:
+            raise InvalidRequestError(f"the chat template rendered no {p.kind} marker {marker!r}")
+        yield rest[:at]
+        yield p
+        rest = rest[at + len(marker) :]
+    for kind in arch.placeholder_ids():
+        if arch.media_marker(kind) in rest:
+            raise InvalidRequestError(
+                f"the turn's text holds a {kind} marker with no {kind} attached "
+                f"({arch.media_marker(kind)!r}); pass the media as a content part"
+            )
+    if rest:
+        yield rest

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine import sampling, stopping
+from engine.chat import ChatState, chat_message, template_pieces
 from engine.errors import ContextClosedError, InvalidRequestError, SavedContextExistsError
 from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.page_hashing import MediaRow
@@ -94,16 +95,6 @@ class Distribution:
     probs: torch.Tensor
 
 
-@dataclass
-class _ChatState:
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    open_turn: bool = False
-    turn_tokens: list[int] = field(default_factory=list)
-
-    def copy(self) -> _ChatState:
-        return _ChatState(list(self.messages), self.open_turn, list(self.turn_tokens))
-
-
 class Context:
     """A conversation with a model. ``Context(model)``; async methods run forward passes."""
 
@@ -119,7 +110,7 @@ class Context:
         # After flush(): the last committed row's final hidden state, its logits not yet
         # computed (the LM head runs only if something samples or asks for them).
         self._last_hidden: torch.Tensor | None = None
-        self._chat = _ChatState()
+        self._chat = ChatState()
         self._seed = seed
         self._generator: torch.Generator | None = None
         self._busy = False
@@ -191,8 +182,7 @@ class Context:
         self._check_open()
         self._close_turn()
         self._fill_template(self.model.chat.cue(self._chat.messages), [])
-        self._chat.open_turn = True
-        self._chat.turn_tokens = []
+        self._chat.open()
         return self
 
     def append_image(self, image: Any, **params: Any) -> Prepared:
@@ -348,9 +338,7 @@ class Context:
             self._n = n
             self._table.truncate(n)
             self._last_logits = self._last_hidden = None
-        if self._chat.open_turn and removed:
-            keep_turn = max(0, len(self._chat.turn_tokens) - removed)
-            del self._chat.turn_tokens[keep_turn:]
+        self._chat.forget(removed)
         return self
 
     def rewind(self, k: int) -> Context:
@@ -419,8 +407,7 @@ class Context:
             self._rows.append(Row(token=t, pos=(c,) * axes, next_pos=c + 1))
             c += 1
         self._cursor = c
-        if self._chat.open_turn:
-            self._chat.turn_tokens.extend(ids)
+        self._chat.record(ids)
 
     def _append_span(self, prepared: Prepared) -> None:
         arch = self.model.arch
@@ -481,54 +468,24 @@ class Context:
     def _turn(self, role: str, content: Sequence[Any]) -> Context:
         self._check_open()
         self._close_turn()
-        parts: list[dict[str, Any]] = []
-        media: list[Prepared] = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append({"type": "text", "text": part})
-            else:
-                p = self.model.prepare(part)
-                media.append(p)
-                parts.append({"type": p.kind})
-        message = {"role": role, "content": parts}
+        message, media = chat_message(role, content, self.model.prepare)
         self._fill_template(self.model.chat.turn(self._chat.messages, message), media)
         self._chat.messages.append(message)
         return self
 
     def _fill_template(self, text: str, media: list[Prepared]) -> None:
-        arch = self.model.arch
-        rest = text
-        for p in media:
-            marker = arch.media_marker(p.kind)
-            at = rest.find(marker)
-            if at < 0:
-                raise InvalidRequestError(f"the chat template rendered no {p.kind} marker {marker!r}")
-            self._append_text(self.model.tokenize(rest[:at]))
-            self._append_span(p)
-            rest = rest[at + len(marker) :]
-        for kind in arch.placeholder_ids():
-            if arch.media_marker(kind) in rest:
-                raise InvalidRequestError(
-                    f"the turn's text holds a {kind} marker with no {kind} attached "
-                    f"({arch.media_marker(kind)!r}); pass the media as a content part"
-                )
-        if rest:
-            self._append_text(self.model.tokenize(rest))
+        for piece in template_pieces(text, media, self.model.arch):
+            if isinstance(piece, str):
+                self._append_text(self.model.tokenize(piece))
+            else:
+                self._append_span(piece)
 
     def _close_turn(self) -> None:
         """After a generation in an open assistant turn, complete the turn as the template
         renders it and record it in the history."""
-        chat = self._chat
-        if not chat.open_turn:
-            return
-        raw = self.model.detokenize(chat.turn_tokens)
-        content = self.model.detokenize(chat.turn_tokens, skip_special_tokens=True)
-        tail = self.model.chat.close_turn(chat.messages, content, raw)
-        chat.open_turn = False
-        chat.turn_tokens = []
+        tail = self._chat.close_turn(self.model.chat, self.model.detokenize)
         if tail:
             self._append_text(self.model.tokenize(tail))
-        chat.messages.append({"role": "assistant", "content": [{"type": "text", "text": content}]})
 
     def _stop_condition(
         self, stop: stopping.StopCondition | None, max_tokens: int | None

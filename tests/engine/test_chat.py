@@ -73,3 +73,69 @@ def test_media_the_model_cannot_take(qwen, samples):
         SyncContext(qwen).user(audio, "What is this?")
     with pytest.raises(UnsupportedMediaKindError):
         SyncContext(qwen).append_audio(audio)
+
+
+# ------------------------------------------------------------- the chat state, no model
+
+
+class _Markers:
+    def media_marker(self, kind):
+        return f"<{kind}>"
+
+    def placeholder_ids(self):
+        return {"image": 1, "audio": 2}
+
+
+class _Media:
+    def __init__(self, kind):
+        self.kind = kind
+
+
+def test_template_pieces_cut_the_text_at_each_marker():
+    from engine.chat import template_pieces
+
+    a, b = _Media("image"), _Media("audio")
+    pieces = list(template_pieces("say <image> and <audio>!", [a, b], _Markers()))
+    assert pieces == ["say ", a, " and ", b, "!"]
+    assert list(template_pieces("<image>", [a], _Markers())) == ["", a]
+    # lazily: what comes before a missing marker is yielded first
+    gen = template_pieces("x <image> y", [a, b], _Markers())
+    assert [next(gen), next(gen)] == ["x ", a]
+    with pytest.raises(InvalidRequestError, match="rendered no audio marker"):
+        next(gen)
+    with pytest.raises(InvalidRequestError, match="holds a audio marker with no audio attached"):
+        list(template_pieces("<image> then <audio>", [a], _Markers()))
+
+
+def test_chat_message_and_state():
+    from engine.chat import ChatState, chat_message
+
+    img = _Media("image")
+    raw = object()
+    message, media = chat_message("user", ["look", raw, "at it"], lambda p: img if p is raw else None)
+    assert message == {
+        "role": "user",
+        "content": [{"type": "text", "text": "look"}, {"type": "image"}, {"type": "text", "text": "at it"}],
+    }
+    assert media == [img]
+
+    state = ChatState()
+    state.record([1, 2])
+    assert state.turn_tokens == []  # no open turn: nothing recorded
+    state.open()
+    state.record([5, 6, 7])
+    fork = state.copy()
+    state.forget(2)
+    assert state.turn_tokens == [5] and fork.turn_tokens == [5, 6, 7]
+
+    class Template:
+        def close_turn(self, history, content, raw):
+            return f"</{content}|{raw}>"
+
+    def detokenize(ids, skip_special_tokens=False):
+        return ("s" if skip_special_tokens else "r") + ",".join(map(str, ids))
+
+    assert state.close_turn(Template(), detokenize) == "</s5|r5>"
+    assert not state.open_turn and state.turn_tokens == []
+    assert state.messages == [_msg("assistant", "s5")]
+    assert state.close_turn(Template(), detokenize) == ""  # nothing open
