@@ -150,10 +150,10 @@ class Audio:
         if arr.ndim == 1:
             arr = arr[:, None]
         arr = np.array(arr, dtype=np.float32, order="C", copy=True)
-        check_stream(int(sample_rate), arr.shape[1], limits, "array")
+        check_stream(sample_rate, arr.shape[1], limits, "array")
         if arr.shape[0] == 0:
             raise EmptyMediaError("audio array holds no samples", actual=0, kind=KIND)
-        seconds = arr.shape[0] / int(sample_rate)
+        seconds = arr.shape[0] / sample_rate
         if seconds > limits.max_audio_seconds:
             raise MediaTooLongError(
                 f"audio array is {seconds:.1f} s, over the limit of {limits.max_audio_seconds:g} s",
@@ -163,8 +163,8 @@ class Audio:
             )
         if not np.isfinite(arr).all():
             raise InvalidRequestError("audio array contains NaN or infinite samples", kind=KIND)
-        h = content_hash(arr.tobytes(), "pcm-f32", int(sample_rate), arr.shape[1])
-        return cls(arr, int(sample_rate), format="PCM", subtype="FLOAT", content_hash=h)
+        h = content_hash(arr.tobytes(), "pcm-f32", sample_rate, arr.shape[1])
+        return cls(arr, sample_rate, format="PCM", subtype="FLOAT", content_hash=h)
 
     # ----------------------------------------------------------------- properties
 

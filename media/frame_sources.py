@@ -1,26 +1,27 @@
 """Where a ``Video``'s frames come from: FFmpeg through PyAV, or Pillow for animated WebP.
 
-Both sources read the header at construction and check every limit it can answer
-before a frame is decoded; ``decode`` then fills a :class:`FrameCollector` with exactly
-the requested frames.
+:func:`open_source` picks the source for a file's bytes (and refuses still images, audio
+files and documents from their magic bytes). Both sources read the header at
+construction and check every limit it can answer before a frame is decoded; ``decode``
+then fills a :class:`FrameCollector` with exactly the requested frames.
 
 :class:`AVFrameSource` demuxes with FFmpeg restricted to the video container formats
 in :data:`AV_FORMATS` (MP4/MOV, Matroska/WebM, AVI, animated GIF/APNG, MPEG-TS/PS,
 FLV, Ogg, ...). It decodes forward or seeks as a :class:`~media.timeline.DecodePlan`
-says, and identifies each decoded frame by its pts on the :class:`~media.timeline.Timeline`.
-FFmpeg here cannot decode animated WebP, so :class:`WebPFrameSource` reads it with
-Pillow, one frame after the other.
+says, and identifies each decoded frame by its pts on the
+:class:`~media.timeline.Timeline`. FFmpeg here cannot decode animated WebP, so
+:class:`WebPFrameSource` reads it with Pillow, one frame after the other.
 
-Limits (``MediaLimits``), all checked on the header before decoding: ``max_bytes``,
-``max_frame_pixels`` (also passed to the decoder as ``max_pixels``, so a stream that
-changes resolution mid-way cannot make it allocate a bigger frame), ``max_video_seconds``
-(the larger of the stream's and the container's declared duration), and
-``max_container_frames`` (declared count, or the demux-only packet count, which stops
-counting at the limit). Animated GIF "bombs" (thousands of tiny frames) are bounded by
-these: FFmpeg gives every GIF frame at least 20 ms, so an hour holds at most 180 000
-frames; a 5000-frame 16x16 GIF samples in ~0.1-0.3 s and holds only the sampled
-frames. Deployments that want to refuse such files outright lower
-``max_container_frames``.
+Limits (``MediaLimits``) checked here on the header before decoding
+(``Video.from_bytes`` has checked ``max_bytes``): ``max_frame_pixels`` (also passed to
+the decoder as ``max_pixels``, so a stream that changes resolution mid-way cannot make
+it allocate a bigger frame), ``max_video_seconds`` (the larger of the stream's and the
+container's declared duration), and ``max_container_frames`` (declared count, or the
+demux-only packet count, which stops counting at the limit). Animated GIF "bombs"
+(thousands of tiny frames) are bounded by these: FFmpeg gives every GIF frame at least
+20 ms, so an hour holds at most 180 000 frames; a 5000-frame 16x16 GIF samples in
+~0.1-0.3 s and holds only the sampled frames. Deployments that want to refuse such
+files outright lower ``max_container_frames``.
 
 A requested frame that cannot be decoded is recorded in ``FrameCollector.errors``
 (with the reason) and the decode goes on with the next one.
@@ -49,7 +50,7 @@ from media.errors import (
     UnsupportedFormatError,
 )
 from media.limits import MediaLimits
-from media.sniff import Format
+from media.sniff import Format, sniff
 from media.timeline import SEEK_OVERHEAD_FRAMES, DecodePlan, Strategy, Timeline, plan_decode
 from media.video_info import VideoInfo
 
@@ -61,6 +62,7 @@ __all__ = [
     "FrameCollector",
     "FrameSource",
     "WebPFrameSource",
+    "open_source",
     "webp_animation",
 ]
 
@@ -516,3 +518,35 @@ class WebPFrameSource:
 
 
 FrameSource = AVFrameSource | WebPFrameSource
+
+
+def open_source(data: bytes, limits: MediaLimits) -> FrameSource:
+    """The frame source for ``data``: Pillow for animated WebP, FFmpeg for the rest, after
+    refusing what the magic bytes say is a still image, audio or a document."""
+    fmt = sniff(data)
+    if fmt is not None and fmt.holds == {"image"}:
+        raise UnsupportedFormatError(
+            f"{fmt.name.upper()} is a still image format, not a video; use media.Image",
+            kind=KIND,
+            actual=fmt.name,
+        )
+    if fmt is not None and fmt.holds == {"audio"}:
+        raise UnsupportedFormatError(
+            f"{fmt.label} audio file has no video stream; use media.Audio", kind=KIND, actual=fmt.name
+        )
+    if fmt is not None and fmt.kind == "document":
+        what = "SVG (vector image)" if fmt.name == "svg" else fmt.description
+        raise UnsupportedFormatError(f"{what} is not a video format", kind=KIND, actual=fmt.name)
+    if fmt is not None and fmt.name == "webp":
+        try:
+            anim = webp_animation(data)
+        except ValueError as e:
+            raise CorruptMediaError(f"animated WebP is malformed: {e}", kind=KIND) from None
+        if anim is None:
+            raise UnsupportedFormatError(
+                "WEBP without animation is a still image, not a video; use media.Image",
+                kind=KIND,
+                actual="webp",
+            )
+        return WebPFrameSource(data, limits, anim)
+    return AVFrameSource(data, limits, fmt)

@@ -32,12 +32,10 @@ from media.errors import (
     InvalidRequestError,
     MediaError,
     MediaTooLargeError,
-    UnsupportedFormatError,
 )
-from media.frame_sources import AVFrameSource, FrameCollector, FrameSource, WebPFrameSource, webp_animation
+from media.frame_sources import FrameCollector, FrameSource, open_source
 from media.hashing import content_hash
 from media.limits import DEFAULT_LIMITS, MediaLimits
-from media.sniff import sniff
 from media.timeline import STRATEGIES, DecodePlan, Strategy, plan_decode
 from media.validation import check_int, check_number
 from media.video_info import VideoInfo
@@ -149,7 +147,7 @@ class Video:
             limits.check_bytes(size, KIND)
             if not isinstance(data, bytes):
                 data = bytes(data)  # own copy: the caller's buffer could change under the decoder
-            return cls(_open_source(data, limits), content_hash(data), len(data), limits)
+            return cls(open_source(data, limits), content_hash(data), len(data), limits)
         except BaseException as e:
             if isinstance(e, _INTERRUPTS):
                 raise
@@ -386,37 +384,6 @@ class Video:
         from media.audio import Audio
 
         return Audio.from_container_bytes(self._data, self._limits)
-
-
-def _open_source(data: bytes, limits: MediaLimits) -> FrameSource:
-    """The frame source for ``data``, after refusing what its magic bytes say is no video."""
-    fmt = sniff(data)
-    if fmt is not None and fmt.holds == {"image"}:
-        raise UnsupportedFormatError(
-            f"{fmt.name.upper()} is a still image format, not a video; use media.Image",
-            kind=KIND,
-            actual=fmt.name,
-        )
-    if fmt is not None and fmt.holds == {"audio"}:
-        raise UnsupportedFormatError(
-            f"{fmt.label} audio file has no video stream; use media.Audio", kind=KIND, actual=fmt.name
-        )
-    if fmt is not None and fmt.kind == "document":
-        what = "SVG (vector image)" if fmt.name == "svg" else fmt.description
-        raise UnsupportedFormatError(f"{what} is not a video format", kind=KIND, actual=fmt.name)
-    if fmt is not None and fmt.name == "webp":
-        try:
-            anim = webp_animation(data)
-        except ValueError as e:
-            raise CorruptMediaError(f"animated WebP is malformed: {e}", kind=KIND) from None
-        if anim is None:
-            raise UnsupportedFormatError(
-                "WEBP without animation is a still image, not a video; use media.Image",
-                kind=KIND,
-                actual="webp",
-            )
-        return WebPFrameSource(data, limits, anim)
-    return AVFrameSource(data, limits, fmt)
 
 
 def _spread(total: int, n: int) -> list[int]:

@@ -498,6 +498,21 @@ def test_kind_agnostic_hostile_files(hdir: Path, name: str, error: type[MediaErr
     assert ei.value.to_dict()["code"] == error.code
 
 
+@pytest.mark.parametrize(
+    ("rel", "words", "actual"),
+    [
+        ("images/photo_640x480.jpg", "JPEG is a still image format", "jpeg"),
+        ("audio/tone_44k1_stereo.flac", "FLAC audio file has no video stream", "flac"),
+        ("audio/tone_44k1_stereo.aiff", "AIFF audio file has no video stream", "aiff"),
+        ("hostile/image.svg", "SVG (vector image) is not a video format", "svg"),
+    ],
+)
+def test_refused_from_the_magic_bytes(samples: Path, rel: str, words: str, actual: str) -> None:
+    with pytest.raises(UnsupportedFormatError) as ei:
+        Video.from_bytes((samples / rel).read_bytes())
+    assert words in ei.value.message and ei.value.actual == actual
+
+
 def test_still_images_are_not_videos(samples: Path) -> None:
     images = sorted(p for p in (samples / "images").iterdir() if p.is_file() and p.name != "animated.gif")
     assert images
