@@ -31,7 +31,7 @@ import torch
 
 from engine import sampling, stopping
 from engine.chat import ChatState, chat_message, template_pieces
-from engine.errors import ContextClosedError, InvalidRequestError, SavedContextExistsError
+from engine.errors import ContextClosedError, InvalidRequestError
 from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable
@@ -303,22 +303,15 @@ class Context:
         return child
 
     def save(self, name: str, *, overwrite: bool = False) -> None:
-        """Pin this context's state (pages by reference) under ``name`` in the model;
-        ``Context.open(model, name)`` forks from it; ``model.delete_saved(name)`` unpins."""
-        if not name:
-            raise InvalidRequestError("a saved context needs a non-empty name")
-        if name in self.model._saved and not overwrite:
-            raise SavedContextExistsError(f"a context is already saved as {name!r}", name=name)
-        snapshot = self.fork()
-        old = self.model._saved.pop(name, None)
-        if old is not None:
-            old.close()
-        self.model._saved[name] = snapshot
+        """Pin this context's state (pages by reference) under ``name`` in the model
+        (``model.saved.save``); ``Context.open(model, name)`` forks from it;
+        ``model.saved.delete(name)`` unpins."""
+        self.model.saved.save(name, self, overwrite=overwrite)
 
     @classmethod
     def open(cls, model: Model, name: str) -> Context:
-        """A new context forked from the one saved as ``name``."""
-        return model._saved_context(name).fork()
+        """A new context forked from the one saved as ``name`` (``model.saved.open``)."""
+        return model.saved.open(name)
 
     def truncate(self, n: int) -> Context:
         """Keep the first ``n`` rows (committed or pending); a media span cannot be cut."""

@@ -34,15 +34,15 @@ from engine.checkpoint import (
     read_config,
     resolve_checkpoint,
 )
-from engine.errors import InvalidRequestError, SavedContextNotFoundError
+from engine.errors import InvalidRequestError
 from engine.forward import ForwardRunner
 from engine.kv_pool import KVPool, PoolStats, bytes_per_page
+from engine.saved import SavedContexts
 from engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from encoders import EncoderCache, MediaEncoder, Prepared
     from encoders.prepared import Encoded
-    from engine.context import Context
 
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 DEFAULT_CUDA_KV_FRACTION = 0.5
@@ -91,7 +91,8 @@ class Model:
         self._encoder_cache = encoder_cache
         self._encoder: MediaEncoder | None = None
         self._encoder_lock = threading.Lock()
-        self._saved: dict[str, Context] = {}
+        self.saved = SavedContexts()
+        """Contexts saved by name (``Context.save``), pinned with their pages."""
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -229,19 +230,12 @@ class Model:
 
     # -- saved contexts ---------------------------------------------------------------------
     def saved_names(self) -> list[str]:
-        return sorted(self._saved)
+        """``self.saved.names()``."""
+        return self.saved.names()
 
     def delete_saved(self, name: str) -> None:
-        ctx = self._saved.pop(name, None)
-        if ctx is None:
-            raise SavedContextNotFoundError(f"no context saved as {name!r}", name=name)
-        ctx.close()
-
-    def _saved_context(self, name: str) -> Context:
-        ctx = self._saved.get(name)
-        if ctx is None:
-            raise SavedContextNotFoundError(f"no context saved as {name!r}", name=name)
-        return ctx
+        """``self.saved.delete(name)``."""
+        self.saved.delete(name)
 
     def __repr__(self) -> str:
         s = self.pool.stats()

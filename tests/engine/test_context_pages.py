@@ -137,6 +137,36 @@ def test_save_and_open_equal_an_uninterrupted_context(gemma):
         Context.open(gemma, "story")
 
 
+def test_saved_contexts_registry(qwen):
+    """``model.saved``: the registry behind Context.save/open and saved_names/delete_saved."""
+    saved = qwen.saved
+    assert "a" not in saved and len(saved) == 0
+    before = _in_use(qwen)
+    ctx = SyncContext(qwen).user(LONG)
+    ctx.flush()
+    first = ctx.token_ids
+    saved.save("b", ctx.ctx)
+    ctx.save("a")
+    assert list(saved) == saved.names() == qwen.saved_names() == ["a", "b"]
+    assert "a" in saved and len(saved) == 2 and repr(saved) == "SavedContexts('a', 'b')"
+    with pytest.raises(InvalidRequestError):
+        saved.save("", ctx.ctx)
+    ctx.fill(" and more")
+    ctx.flush()
+    saved.save("a", ctx.ctx, overwrite=True)  # the old snapshot is closed, its pages let go
+    opened = saved.open("a")
+    assert opened.token_ids == ctx.token_ids and opened.committed == ctx.committed
+    older = Context.open(qwen, "b")
+    assert older.token_ids == first
+    for c in (ctx, opened, older):
+        c.close()
+    saved.delete("a")
+    qwen.delete_saved("b")
+    assert len(saved) == 0 and _in_use(qwen) == before
+    with pytest.raises(SavedContextNotFoundError):
+        saved.open("a")
+
+
 def test_rewind_and_regenerate(qwen):
     ctx = SyncContext(qwen).user(LONG).cue()
     first = _greedy(ctx, 8)
