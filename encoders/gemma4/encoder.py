@@ -1,39 +1,8 @@
-"""Gemma-4: image, video and audio preparation exactly as the transformers reference, and the
-vision and audio towers (transformers' own modules) projected into the LM embedding space.
-
-Reference (transformers 5.23, ``models/gemma4``), read top to bottom:
-
-* images: ``Gemma4ImageProcessorPil`` -- see :mod:`encoders.gemma4_vision`. The span the
-  processor writes is ``<|image>`` + ``<|image|>`` x N + ``<image|>`` with N the soft
-  tokens (``num_soft_tokens_per_image``: patches / 9 after the 3x3 pooling);
-* videos: ``Gemma4VideoProcessor`` (torchvision, reproduced) -- per sampled frame
-  ``"mm:ss "`` + ``<|image>`` + ``<|video|>`` x N + ``<image|>``, frames joined by a
-  space (``Gemma4Processor.replace_video_token``), ``mm:ss`` from ``index / fps``;
-* audio: ``Gemma4AudioFeatureExtractor`` -- see :mod:`encoders.gemma4_audio`; the span is
-  ``<|audio>`` + ``<|audio|>`` x N + ``<audio|>``, N from the mel mask as the processor
-  counts it (one token per 40 ms). Clips over 30 s are truncated to 30 s by the reference
-  (the feature extractor's ``max_length=480000, truncation=True``); so are ours, recorded
-  in ``meta["truncated"]``; ``prepare(audio, truncate=False)`` raises
-  ``MediaTooLongError`` instead;
-* positions: Gemma-4 uses 1-D RoPE over ``arange`` of the whole sequence (the model builds
-  ``position_ids`` that way; media rows are ordinary rows), so a span's positions are
-  ``0..len-1`` and ``position_span == num_rows``;
-* ``mm_token_type`` as ``Gemma4Processor.create_mm_token_type_ids``: 1 on image tokens, 2
-  on video tokens, 3 on audio tokens, 0 elsewhere (delimiters and timestamps included).
-  Checkpoints whose text config says ``use_bidirectional_attention == "vision"`` let each
-  run of image/video tokens attend bidirectionally on the sliding-attention layers
-  (``get_block_sequence_ids_for_mask`` + ``create_masks_for_vision_model``; full-attention
-  layers stay causal): ``meta["bidirectional_blocks"]`` lists those runs as half-open row
-  ranges of the span, ``meta["bidirectional_attention"]`` says whether the model uses them;
-* embeddings: ``Gemma4Model.get_image_features`` / ``get_video_features`` /
-  ``get_audio_features``: the tower, then ``embed_vision`` / ``embed_audio`` (RMS norm +
-  projection to the text hidden size), padding rows dropped -- exactly ``token_count``
-  rows per item, in the LM embedding space, ready to scatter at the placeholder rows.
-"""
+"""The Gemma-4 encoder: preparation of images, videos and audio into spans (see
+:mod:`encoders.gemma4`) and the vision and audio towers with their embedders."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +10,15 @@ import numpy as np
 import torch
 
 from encoders.base import Checkpoint, CheckpointEncoder, optional_positive
-from encoders.checkpoint_files import (
-    load_tokenizer,
-    read_processor_files,
-    read_tower_weights,
-    special_token_id,
-)
+from encoders.checkpoint_files import load_tokenizer, read_tower_weights
 from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
-from encoders.gemma4_audio import AudioSettings, LogMel, audio_token_count, valid_frame_count
-from encoders.gemma4_vision import (
-    SUPPORTED_SOFT_TOKENS,
-    VisionSettings,
+from encoders.frame_resize import resize_frames_like_torchvision
+from encoders.gemma4.audio import AudioSettings, LogMel, audio_token_count, valid_frame_count
+from encoders.gemma4.settings import Settings, SpecialTokens, read_settings, special_tokens
+from encoders.gemma4.vision import (
     aspect_ratio_preserving_size,
     check_budget,
     patchify,
-    resize_frames_like_torchvision,
     sample_frame_indices,
     timestamp_text,
 )
@@ -64,7 +27,7 @@ from encoders.span import Placeholders, Segment, Span, Text, TextIds, TokenType,
 from media import Audio, Image, Video
 from media.errors import EmptyMediaError, InvalidRequestError, MediaTooLongError
 
-__all__ = ["SUPPORTED_SOFT_TOKENS", "Gemma4Encoder", "SpecialTokens"]
+__all__ = ["FAMILY", "TOWER_NAMES", "Gemma4Encoder"]
 
 FAMILY = "gemma4"
 
@@ -80,17 +43,6 @@ _AUDIO_BATCH_FRAMES = 16 * 3000
 
 TOWER_NAMES = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
 """Keys of ``towers``: the ``Gemma4Model`` attributes of the same names."""
-
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    boi: int
-    eoi: int
-    image: int
-    video: int
-    boa: int | None
-    eoa: int | None
-    audio: int | None
 
 
 class Gemma4Encoder(CheckpointEncoder):
@@ -120,19 +72,17 @@ class Gemma4Encoder(CheckpointEncoder):
         checkpoint: Checkpoint,
         *,
         tokenizer: Any,
-        image: VisionSettings,
-        video: VisionSettings,
-        audio: AudioSettings | None,
-        processor: dict[str, Any],
+        settings: Settings,
         tokens: SpecialTokens,
         towers: dict[str, torch.nn.Module],
         exact_audio: bool = True,
     ):
         super().__init__(checkpoint, tokenizer=tokenizer, fingerprint_suffix="" if exact_audio else "+f32mel")
+        image, video, audio = settings.image, settings.video, settings.audio
         self.image_settings = image
         self.video_settings = video
         self.audio_settings = audio
-        self.processor_settings = processor
+        self.processor_settings = settings.processor
         self.tokens = tokens
         self._towers = dict(towers)
         kinds: set[MediaKind] = set()
@@ -169,7 +119,7 @@ class Gemma4Encoder(CheckpointEncoder):
         their weights are read from the checkpoint's safetensors. ``load_weights=False``
         defers that until the first ``encode`` (prepare-only users never pay for it).
         ``exact_audio=False`` computes the log-mel filter bank and log in float32 (see
-        :class:`~encoders.gemma4_audio.LogMel`): faster, within float32 rounding of the
+        :class:`~encoders.gemma4.audio.LogMel`): faster, within float32 rounding of the
         reference instead of bit-identical; it is part of the cache fingerprint.
         """
         model_dir, config = checkpoint.model_dir, checkpoint.config
@@ -177,26 +127,10 @@ class Gemma4Encoder(CheckpointEncoder):
             raise UnsupportedModelError(
                 f"{model_dir.name}: config.json has neither a vision_config nor an audio_config"
             )
-        blocks = _read_processor_configs(model_dir)
-        image = VisionSettings.from_dict(blocks.get("image_processor") or {}, video=False)
-        video = VisionSettings.from_dict(blocks.get("video_processor") or {}, video=True)
-        vision_cfg = config.get("vision_config") or {}
-        for what, s in (("image", image), ("video", video)):
-            expected = (
-                vision_cfg.get("patch_size", s.patch_size),
-                vision_cfg.get("pooling_kernel_size", s.pooling_kernel_size),
-            )
-            if (s.patch_size, s.pooling_kernel_size) != expected:
-                raise UnsupportedModelError(
-                    f"{what} processor patch/pooling sizes {(s.patch_size, s.pooling_kernel_size)} "
-                    f"disagree with the vision config {expected}"
-                )
-        audio = None
-        if config.get("audio_config") is not None:
-            audio = AudioSettings.from_dict(blocks.get("feature_extractor") or {})
+        settings = read_settings(model_dir, config)
         tokenizer = load_tokenizer(model_dir, required=False)
-        tokens = _special_tokens(config, tokenizer)
-        if audio is not None and None in (tokens.boa, tokens.eoa, tokens.audio):
+        tokens = special_tokens(config, tokenizer)
+        if settings.audio is not None and None in (tokens.boa, tokens.eoa, tokens.audio):
             raise UnsupportedModelError(f"{model_dir.name} has an audio tower but no audio token ids")
         given = {k: v for k, v in (towers or {}).items() if v is not None}
         unknown = set(given) - set(TOWER_NAMES)
@@ -205,13 +139,10 @@ class Gemma4Encoder(CheckpointEncoder):
         enc = cls(
             checkpoint.placed_like(given.values()),
             tokenizer=tokenizer,
-            image=image,
-            video=video,
-            audio=audio,
-            exact_audio=exact_audio,
-            processor={k: v for k, v in blocks.items() if not isinstance(v, dict)},
+            settings=settings,
             tokens=tokens,
             towers=given,
+            exact_audio=exact_audio,
         )
         if load_weights:
             enc.towers  # noqa: B018 - load now
@@ -576,47 +507,6 @@ def _vision_batches(tokens: list[int], k2: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
-
-
-# --------------------------------------------------------------------------- checkpoint files
-
-
-def _read_processor_configs(model_dir: Path) -> dict[str, Any]:
-    """The processor settings as ``Gemma4Processor.from_pretrained`` finds them: the nested
-    blocks of ``processor_config.json`` (``image_processor``, ``feature_extractor``,
-    ``video_processor`` and the processor's own keys) first, else the flat
-    ``preprocessor_config.json`` / ``video_preprocessor_config.json`` files."""
-    files = read_processor_files(model_dir)
-    out = dict(files.nested)
-    flat = files.preprocessor
-    if flat is not None:
-        if "feature_extractor_type" in flat and "image_processor_type" not in flat:
-            out.setdefault("feature_extractor", flat)
-        else:
-            out.setdefault("image_processor", flat)
-    if files.video_preprocessor is not None:
-        out.setdefault("video_processor", files.video_preprocessor)
-    return out
-
-
-def _special_tokens(config: dict[str, Any], tokenizer: Any) -> SpecialTokens:
-    names = {
-        "boi": (("boi_token_id",), "<|image>"),
-        "eoi": (("eoi_token_id",), "<image|>"),
-        "image": (("image_token_id",), "<|image|>"),
-        "video": (("video_token_id",), "<|video|>"),
-        "boa": (("boa_token_id",), "<|audio>"),
-        "eoa": (("eoa_token_id", "eoa_token_index"), "<audio|>"),
-        "audio": (("audio_token_id",), "<|audio|>"),
-    }
-    vision = config.get("vision_config") is not None
-    ids = {
-        field: special_token_id(
-            config, keys, token, tokenizer, required=vision and field in ("boi", "eoi", "image", "video")
-        )
-        for field, (keys, token) in names.items()
-    }
-    return SpecialTokens(**ids)  # type: ignore[arg-type]
 
 
 _PREFIXES = {name: (f"model.{name}.", f"{name}.") for name in TOWER_NAMES}

@@ -35,15 +35,15 @@ import numpy as np
 import torch
 
 from encoders.errors import UnsupportedModelError
-from encoders.frame_resize import TORCH_MODES, resize_frames_like_torchvision
+from encoders.frame_resize import TORCH_MODES
 from media import InvalidRequestError, check_int
 
 __all__ = [
     "SUPPORTED_SOFT_TOKENS",
     "VisionSettings",
+    "check_budget",
     "aspect_ratio_preserving_size",
     "patchify",
-    "resize_frames_like_torchvision",
     "sample_frame_indices",
     "timestamp_text",
 ]

@@ -43,8 +43,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from encoders import EncoderCache, UnsupportedMediaKindError, encoder_for  # noqa: E402
-from encoders.gemma4 import Gemma4Encoder  # noqa: E402
-from encoders.gemma4_vision import SUPPORTED_SOFT_TOKENS  # noqa: E402
+from encoders.gemma4 import SUPPORTED_SOFT_TOKENS, Gemma4Encoder  # noqa: E402
 from fixtures.tiny_models import TINY_GEMMA4, ensure_tiny_model  # noqa: E402
 from media import Audio, Image, Video  # noqa: E402
 from media.errors import EmptyMediaError, InvalidRequestError, MediaTooLongError  # noqa: E402
@@ -363,7 +362,7 @@ def test_image_settings_other_than_the_checkpoints(ref):
     from PIL import Image as PILImage
     from transformers import Gemma4ImageProcessorPil
 
-    from encoders.gemma4_vision import VisionSettings, aspect_ratio_preserving_size, patchify
+    from encoders.gemma4.vision import VisionSettings, aspect_ratio_preserving_size, patchify
 
     img = _random_image(200, 120, seed=9)
     for kwargs in (
@@ -471,7 +470,7 @@ def test_audio_settings_other_than_the_checkpoints(kwargs):
     feature extractor's own saved dict, as a checkpoint would carry it)."""
     from transformers import Gemma4AudioFeatureExtractor
 
-    from encoders.gemma4_audio import AudioSettings, LogMel
+    from encoders.gemma4.audio import AudioSettings, LogMel
 
     reference = Gemma4AudioFeatureExtractor(**kwargs)
     saved = json.loads(reference.to_json_string())  # per-bin arrays come back nested (1, 1, F)
