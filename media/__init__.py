@@ -2,6 +2,8 @@
 limits and content-hashed. Knows nothing about models."""
 
 from media.audio import Audio
+from media.data_url import decode_data_url
+from media.detect import open_media
 from media.errors import (
     CorruptMediaError,
     EmptyMediaError,
@@ -42,4 +44,6 @@ __all__ = [
     "check_int",
     "check_number",
     "content_hash",
+    "decode_data_url",
+    "open_media",
 ]

@@ -59,6 +59,7 @@ class Audio:
     """
 
     __slots__ = ("_samples", "_rate", "_format", "_subtype", "_hash", "_derived")
+    kind = KIND
 
     def __init__(
         self, samples: np.ndarray, sample_rate: int, *, format: str, subtype: str | None, content_hash: str
@@ -203,6 +204,18 @@ class Audio:
     @property
     def content_hash(self) -> str:
         return self._hash
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready metadata: ``kind``, format, subtype, rate, channels, duration, hash."""
+        return {
+            "kind": KIND,
+            "format": self._format,
+            "subtype": self._subtype,
+            "sample_rate": self._rate,
+            "channels": self.channels,
+            "duration": round(self.duration, 6),
+            "content_hash": self._hash,
+        }
 
     def __repr__(self) -> str:
         sub = f"/{self._subtype}" if self._subtype else ""

@@ -49,6 +49,7 @@ from media.errors import (
     PieMediaError,
     UnsupportedFormatError,
 )
+from media.integrity import PNG_SIGNATURE, verify_png
 from media.limits import MediaLimits
 from media.sniff import Format, sniff
 from media.timeline import SEEK_OVERHEAD_FRAMES, DecodePlan, Strategy, Timeline, plan_decode
@@ -549,4 +550,6 @@ def open_source(data: bytes, limits: MediaLimits) -> FrameSource:
                 actual="webp",
             )
         return WebPFrameSource(data, limits, anim)
+    if data.startswith(PNG_SIGNATURE):  # APNG: FFmpeg, like Pillow, skips the frame-data CRCs
+        verify_png(data, kind=KIND)
     return AVFrameSource(data, limits, fmt)

@@ -43,8 +43,6 @@ the process, including this one, into silently grey-padded truncated images.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import os
 import re
@@ -56,6 +54,7 @@ from typing import Any
 import numpy as np
 from PIL import Image as PILImage
 
+from media.data_url import decode_data_url
 from media.errors import (
     CorruptMediaError,
     EmptyMediaError,
@@ -65,6 +64,7 @@ from media.errors import (
     UnsupportedFormatError,
 )
 from media.hashing import content_hash
+from media.integrity import PNG_SIGNATURE, verify_png
 from media.limits import DEFAULT_LIMITS, MediaLimits
 
 __all__ = ["EXCLUDED_FORMATS", "Image"]
@@ -124,6 +124,7 @@ class Image:
     """
 
     __slots__ = ("_array", "_format", "_hash", "_pil", "_size", "_source_mode", "_source_size")
+    kind = KIND
 
     def __init__(
         self,
@@ -214,6 +215,8 @@ class Image:
             raise EmptyMediaError("image data is empty (0 bytes)", limit=1, actual=0, kind=KIND)
         limits.check_bytes(len(raw), KIND)
 
+        if raw.startswith(PNG_SIGNATURE):
+            verify_png(raw, kind=KIND)
         try:
             src = _open_lazily(raw)
             rgb, fmt, source_mode, source_size, salt = _decode(src, limits, bg, target)
@@ -284,45 +287,7 @@ class Image:
         missing ``=`` padding are tolerated; any other non-base64 character is not.
         """
         limits = _check_limits(limits)
-        if not isinstance(url, str):
-            raise InvalidRequestError(f"data URL must be a str, got {type(url).__name__}", kind=KIND)
-        # base64 is 4 characters per 3 bytes: refuse an oversized URL before decoding it.
-        max_chars = (limits.max_bytes + 2) // 3 * 4 + 4096
-        if len(url) > max_chars:
-            raise MediaTooLargeError(
-                f"data URL is {len(url)} characters, over the limit of {max_chars} "
-                f"(max_bytes={limits.max_bytes} after base64 decoding)",
-                limit=max_chars,
-                actual=len(url),
-                kind=KIND,
-            )
-        head = url[:5].lower()
-        if head != "data:":
-            scheme = url.split(":", 1)[0][:32] if ":" in url[:40] else ""
-            what = f"a {scheme!r} URL" if scheme else "not a URL"
-            raise InvalidRequestError(
-                f"only data:image/...;base64 URLs are accepted, got {what}; remote URLs are never fetched",
-                kind=KIND,
-            )
-        comma = url.find(",", 5)
-        if comma < 0:
-            raise InvalidRequestError("data URL has no ',' before its payload", kind=KIND)
-        params = [p.strip().lower() for p in url[5:comma].split(";")]
-        mime = params[0]
-        if not mime.startswith("image/"):
-            raise UnsupportedFormatError(
-                f"data URL media type is {mime or 'missing'!r}, expected image/*", kind=KIND
-            )
-        if "base64" not in params[1:]:
-            raise InvalidRequestError("data URL payload must be base64 (';base64,')", kind=KIND)
-        payload = url[comma + 1 :]
-        if _WHITESPACE.search(payload):
-            payload = _WHITESPACE.sub("", payload)
-        payload += "=" * (-len(payload) % 4)
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise InvalidRequestError(f"data URL payload is not valid base64: {e}", kind=KIND) from None
+        data = decode_data_url(url, kind=KIND, limits=limits)
         return cls.from_bytes(data, limits, **kw)
 
     @classmethod
@@ -445,6 +410,19 @@ class Image:
     def nbytes(self) -> int:
         """Bytes of the decoded RGB pixels (``width * height * 3``)."""
         return self._size[0] * self._size[1] * 3
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready metadata: ``kind``, format, size after decoding, source mode and size, hash."""
+        return {
+            "kind": KIND,
+            "format": self._format,
+            "width": self._size[0],
+            "height": self._size[1],
+            "mode": self._source_mode,
+            "source_width": self._source_size[0],
+            "source_height": self._source_size[1],
+            "content_hash": self._hash,
+        }
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
         """Pixels as a C-contiguous ``(height, width, 3)`` uint8 RGB array.

@@ -124,6 +124,8 @@ class Video:
     header can answer (bytes, frame pixels, duration, frame count) is checked first.
     """
 
+    kind = KIND
+
     def __init__(self, source: FrameSource, data_hash: str, size_bytes: int, limits: MediaLimits):
         self._src = source
         self._data = source.data
