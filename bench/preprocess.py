@@ -8,8 +8,8 @@ transformers would) and checks parity of the outputs it compares. Encoder caches
 bypassed (a fresh cache per call) so every call does the work. Ratios > 1 mean ours is
 faster. The aims (issue 3): >= 3x on the large JPEG and on video, >= 2x on audio.
 
-Video: the reference Qwen3-VL video processor needs torchvision, which does not run
-here, so the reference side is ``transformers.video_utils.load_video(backend="pyav")``
+Video: the reference Qwen3-VL video processor needs torchvision, which is not a
+dependency, so the reference side is ``transformers.video_utils.load_video(backend="pyav")``
 for the same 16 frames followed by the reference image processor applied to those
 frames (the same resize + normalise work per frame); ours is media.Video +
 Qwen3VLEncoder.prepare(num_frames=16).

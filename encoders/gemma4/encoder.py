@@ -513,7 +513,7 @@ _PREFIXES = {name: (f"model.{name}.", f"{name}.") for name in TOWER_NAMES}
 
 
 def _build_towers(
-    model_dir: Path | None, config: dict[str, Any], names: list[str], device: torch.device, dtype: torch.dtype
+    model_dir: Path, config: dict[str, Any], names: list[str], device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.nn.Module]:
     """transformers' Gemma-4 tower modules for ``names``, with only their weights read from
     the checkpoint's safetensors (sharded or not)."""
@@ -525,8 +525,6 @@ def _build_towers(
         Gemma4VisionModel,
     )
 
-    if model_dir is None:
-        raise UnsupportedModelError("no checkpoint directory to load the tower weights from")
     cfg = Gemma4Config.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
     state = read_tower_weights(model_dir, {n: _PREFIXES[n] for n in names})
     modules: dict[str, torch.nn.Module] = {}

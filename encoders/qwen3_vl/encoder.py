@@ -303,15 +303,13 @@ class Qwen3VLEncoder(CheckpointEncoder):
 _VISUAL_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "thinker.visual.")
 
 
-def _build_tower(model_dir: Path | None, config: dict[str, Any], device: torch.device, dtype: torch.dtype):
+def _build_tower(model_dir: Path, config: dict[str, Any], device: torch.device, dtype: torch.dtype):
     """transformers' ``Qwen3VLVisionModel`` for ``config["vision_config"]`` with only the
     vision weights read from the checkpoint's safetensors (sharded or not)."""
     from transformers import Qwen3VLConfig
     from transformers.initialization import no_init_weights
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    if model_dir is None:
-        raise UnsupportedModelError("no checkpoint directory to load the vision weights from")
     cfg = Qwen3VLConfig.from_dict({k: v for k, v in config.items() if not k.startswith("_")})
     state = read_tower_weights(model_dir, {"visual": _VISUAL_PREFIXES})["visual"]
     if not state:
