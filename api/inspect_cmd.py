@@ -12,42 +12,29 @@ from media import Audio, Image, MediaLimits, PieMediaError, Video
 from media.detect import open_media
 
 
+_PRINTED = (
+    "kind", "format", "subtype", "codec", "width", "height", "mode", "sample_rate", "channels", "duration", "fps",
+    "frame_count", "has_audio", "content_hash",
+)
+
+
 def describe_media(media: Image | Audio | Video, max_frames: int, fps: float | None) -> dict[str, Any]:
-    if isinstance(media, Image):
-        return {
-            "kind": "image",
-            "format": media.format,
-            "width": media.width,
-            "height": media.height,
-            "mode": media.source_mode,
-            "content_hash": media.content_hash,
-        }
-    if isinstance(media, Audio):
-        return {
-            "kind": "audio",
-            "format": media.format,
-            "subtype": media.subtype,
-            "sample_rate": media.sample_rate,
-            "channels": media.channels,
-            "duration": round(media.duration, 3),
-            "content_hash": media.content_hash,
-        }
+    """The media object's own metadata (the fields this command has always printed); for a
+    video also the frames a sampler would pick."""
+    info = {k: v for k, v in media.to_dict().items() if k in _PRINTED}
+    if "duration" in info:
+        info["duration"] = round(info["duration"], 3)
+    if not isinstance(media, Video):
+        return info
     sampled = media.sample(max_frames=max_frames, fps=fps)
     return {
-        "kind": "video",
-        "format": media.format,
-        "codec": media.codec,
-        "width": media.width,
-        "height": media.height,
-        "fps": round(media.fps, 3),
-        "duration": round(media.duration, 3),
-        "frame_count": media.frame_count,
-        "has_audio": media.has_audio,
+        **info,
+        "fps": round(media.info.fps, 3),
+        "duration": round(media.info.duration, 3),
         "sampled_frames": len(sampled),
         "sampled_indices": list(sampled.indices),
         "sampled_timestamps": [round(t, 3) for t in sampled.timestamps],
         "skipped_frames": [s.to_dict() for s in sampled.skipped],
-        "content_hash": media.content_hash,
     }
 
 
