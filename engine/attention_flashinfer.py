@@ -166,6 +166,11 @@ class FlashInferBackend:
         self._wrappers: dict[tuple[Any, ...], Any] = {}
         self._fallback_logged: set[int] = set()
 
+    @property
+    def num_wrappers(self) -> int:
+        """flashinfer wrappers made so far (one per part kind and layer kind attended)."""
+        return len(self._wrappers)
+
     def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         TORCH_BACKEND.write(meta, layer, key, value)
 

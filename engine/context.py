@@ -65,6 +65,11 @@ class Span:
     start: int
     """Row index of its first row (in the context where it was appended)."""
 
+    @property
+    def rows(self) -> range:
+        """Row indices of the span in the context (delimiters included)."""
+        return range(self.start, self.start + self.prepared.num_rows)
+
 
 @dataclass
 class Generation:
@@ -145,8 +150,22 @@ class Context:
         return self._table.covering(self._n)
 
     @property
+    def spans(self) -> list[Span]:
+        """The media placed in this context, in order: each span's ``prepared`` and ``rows``."""
+        out: list[Span] = []
+        for r in self._rows:
+            if r.span is not None and (not out or out[-1] is not r.span):
+                out.append(r.span)
+        return out
+
+    @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def busy(self) -> bool:
+        """A forward pass of this context is running (it refuses a second one)."""
+        return self._busy
 
     def text(self, *, skip_special_tokens: bool = False) -> str:
         return self.model.detokenize(self.token_ids, skip_special_tokens=skip_special_tokens)

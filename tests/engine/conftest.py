@@ -3,7 +3,10 @@ models and as the transformers reference models they must match."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -106,3 +109,48 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("engine parity: max |Δ logits| vs transformers (float32)")
         for label, diff in sorted(PARITY.items()):
             terminalreporter.write_line(f"{diff:10.3g}  {label}")
+
+
+# ------------------------------------------------------------------ waiting without races
+
+WAIT_S = 30.0
+"""Upper bound of every wait below: a test that waits longer has failed, not hung."""
+
+
+async def until(condition: Callable[[], bool], what: str, *, timeout: float = WAIT_S) -> None:
+    """Yield to the event loop until ``condition()`` holds; fail after ``timeout`` seconds."""
+
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.001)
+
+    try:
+        await asyncio.wait_for(poll(), timeout)
+    except TimeoutError:
+        pytest.fail(f"waited {timeout}s for {what}")
+
+
+class PassGate:
+    """Holds every forward pass of ``model`` at its start until ``open()``: a test can act
+    while a pass is known to be running. Installed with ``monkeypatch`` (undone after the
+    test); the gate opens by itself after ``WAIT_S`` so a failing test cannot hang the
+    worker thread."""
+
+    def __init__(self, model, monkeypatch: pytest.MonkeyPatch):
+        self.started = threading.Event()
+        self._open = threading.Event()
+        run = model.runner.run
+
+        def gated(steps):
+            self.started.set()
+            self._open.wait(WAIT_S)
+            return run(steps)
+
+        monkeypatch.setattr(model.runner, "run", gated)
+
+    async def running(self) -> None:
+        """Wait until a pass has started (and is held)."""
+        await until(self.started.is_set, "a forward pass to start")
+
+    def open(self) -> None:
+        self._open.set()

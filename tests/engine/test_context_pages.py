@@ -19,7 +19,7 @@ from engine import (
     SyncContext,
     max_tokens,
 )
-from tests.engine.conftest import TINY_GEMMA, assert_logits_close
+from tests.engine.conftest import TINY_GEMMA, PassGate, assert_logits_close
 
 LONG = (
     "The harbour master kept a ledger of every boat that came in, with the name, the cargo, the weather "
@@ -89,18 +89,21 @@ def test_forks_share_the_prefix_pages(gemma):
 
 
 def test_identical_prefixes_share_published_pages(gemma):
-    """Two contexts that fill the same text share its full pages (the prefix cache), and
-    only the page holding the last row is computed again."""
+    """Two contexts that fill the same text share its full pages (the prefix cache): the
+    second computes only the rows after the last full page that ends before its last row
+    (whose output a flush needs), and the full page it computed converges on the first's."""
     a = SyncContext(gemma).user(LONG + LONG).cue()
     a.flush()
     ps = gemma.pool.page_size
-    full = a.committed // ps
+    rows = a.committed
+    full = rows // ps
     assert full >= 2
+    reused = (rows - 1) // ps * ps  # whole pages that end before the last row
     rows_before = gemma.runner.rows_computed
     b = SyncContext(gemma).user(LONG + LONG).cue()
     b.flush()
-    assert b.pages[: full - 1] == a.pages[: full - 1] or b.pages[:full] == a.pages[:full]
-    assert gemma.runner.rows_computed - rows_before <= ps + a.committed % ps
+    assert b.pages[:full] == a.pages[:full]
+    assert gemma.runner.rows_computed - rows_before == rows - reused
     assert _greedy(a) == _greedy(b)
     # closed contexts leave their published pages findable
     a.close()
@@ -108,7 +111,7 @@ def test_identical_prefixes_share_published_pages(gemma):
     c = SyncContext(gemma).user(LONG + LONG).cue()
     rows_before = gemma.runner.rows_computed
     c.flush()
-    assert gemma.runner.rows_computed - rows_before <= ps + c.committed % ps
+    assert gemma.runner.rows_computed - rows_before == rows - reused
     c.close()
 
 
@@ -217,11 +220,13 @@ def test_out_of_pages_is_typed_and_recoverable(tiny_dir):
     a = SyncContext(small).user(LONG)
     a.flush()
     b = SyncContext(small).user("Unrelated: " + LONG + LONG)
+    stats = small.pool.stats()
     with pytest.raises(OutOfPagesError) as e:
         b.flush()
-    assert e.value.needed > e.value.available
-    pending = b.pending
-    assert pending > 0 and len(b) == b.committed + pending  # nothing half-done
+    assert (e.value.needed, e.value.available) == (pages_b, pages_b + 1 - pages_a)
+    # nothing half-done: no row committed, no page taken
+    assert (b.committed, b.pending, b.pages) == (0, rows_b, [])
+    assert small.pool.stats() == stats
     a.close()
     b.flush()  # fits now
     assert b.pending == 0
@@ -239,7 +244,8 @@ def test_out_of_pages_during_decode_keeps_the_context(tiny_dir):
     ctx = SyncContext(small).fill_tokens([2] + [100] * 30)
     with pytest.raises(OutOfPagesError):
         ctx.generate(Sampler.greedy(), max_tokens(10))
-    assert len(ctx) <= 33 and ctx.committed <= 32
+    # 31 rows + 2 sampled tokens fill both pages; the pass for row 32 found no page
+    assert (len(ctx), ctx.committed) == (33, 32)
     ctx.truncate(10)
     assert len(_greedy(ctx, 3)) == 3
     ctx.close()
@@ -270,14 +276,21 @@ def test_garbage_collected_contexts_release_pages(gemma):
     assert _in_use(gemma) == before
 
 
-def test_busy_context_refuses_a_second_pass(gemma):
+def test_busy_context_refuses_a_second_pass(gemma, monkeypatch):
+    gate = PassGate(gemma, monkeypatch)
+
     async def go():
         ctx = Context(gemma).user(LONG)
         first = asyncio.ensure_future(ctx.flush())
-        await asyncio.sleep(0)
-        with pytest.raises(InvalidRequestError):
-            await ctx.flush()
+        try:
+            await gate.running()  # the first flush's pass is held
+            assert ctx.busy
+            with pytest.raises(InvalidRequestError):
+                await ctx.flush()
+        finally:
+            gate.open()
         await first
+        assert not ctx.busy and ctx.pending == 0
         ctx.close()
 
     asyncio.run(go())
@@ -287,25 +300,28 @@ def test_fill_tokens_validates_ids(gemma):
     ctx = SyncContext(gemma)
     with pytest.raises(InvalidRequestError):
         ctx.fill_tokens([gemma.arch.vocab_size])
+    assert len(ctx) == 0  # the bad ids were not appended
     with pytest.raises(InvalidRequestError):
         ctx.generate()  # empty context
     ctx.close()
-    assert torch.is_tensor(torch.tensor(0))
 
 
-def test_close_during_a_pass_releases_after_it(gemma):
+def test_close_during_a_pass_releases_after_it(gemma, monkeypatch):
     before = _in_use(gemma)
+    gate = PassGate(gemma, monkeypatch)
 
     async def go():
         ctx = Context(gemma).user(LONG + LONG)
         task = asyncio.ensure_future(ctx.flush())
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        ctx.close()
         try:
-            await task
-        except ContextClosedError:
-            pass
+            await gate.running()  # its rows are being written
+            ctx.close()
+            assert ctx.closed and ctx.busy
+            assert _in_use(gemma) > before  # so its pages are still held
+        finally:
+            gate.open()
+        assert await task is None  # one chunk: the pass it was in completes
+        assert not ctx.busy
 
     asyncio.run(go())
     assert _in_use(gemma) == before

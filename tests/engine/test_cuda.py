@@ -26,9 +26,10 @@ def test_gpu_logits_and_greedy(refs, name, tiny_dir):
     ids = ctx.token_ids
     ours = ctx.flush(return_logits=True).cpu()
     ref_ctx_inputs = {"input_ids": torch.tensor([ids])}
-    prepared = next(r.span.prepared for r in ctx.ctx._rows if r.span is not None)
+    (span,) = ctx.spans
+    prepared = span.prepared
     types = torch.zeros(1, len(ids), dtype=torch.long)
-    rows = [i for i, r in enumerate(ctx.ctx._rows) if r.span is not None]
+    rows = list(span.rows)
     types[0, rows] = torch.tensor(prepared.mm_token_type or [0] * len(rows))
     ref_ctx_inputs.update({k: v.cpu() for k, v in prepared.inputs.items()}, mm_token_type_ids=types)
     theirs = reference_logits(refs[name], **ref_ctx_inputs)

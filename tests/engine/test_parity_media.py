@@ -153,8 +153,8 @@ def test_qwen_multi_image_with_text_between(qwen, qwen_ref, qwen_processor):
 def _video_inputs(model, ctx: SyncContext, prepared) -> dict[str, torch.Tensor]:
     ids = ctx.token_ids
     types = torch.zeros(1, len(ids), dtype=torch.long)
-    rows = [i for i, r in enumerate(ctx.ctx._rows) if r.span is not None]
-    types[0, rows] = torch.tensor(prepared.mm_token_type, dtype=torch.long)
+    (span,) = ctx.spans
+    types[0, list(span.rows)] = torch.tensor(prepared.mm_token_type, dtype=torch.long)
     return {"input_ids": torch.tensor([ids]), "mm_token_type_ids": types, **prepared.inputs}
 
 
@@ -189,13 +189,10 @@ def test_qwen_image_then_video_then_text(qwen, qwen_ref, samples):
     img = qwen.prepare(Image.from_bytes(IMG_A))
     vid = qwen.prepare(video)
     types = torch.zeros(1, len(ctx), dtype=torch.long)
-    spans = {}
-    for i, r in enumerate(ctx.ctx._rows):
-        if r.span is not None:
-            spans.setdefault(id(r.span), []).append(i)
-    (img_rows, vid_rows) = spans.values()
-    types[0, img_rows] = torch.tensor(img.mm_token_type)
-    types[0, vid_rows] = torch.tensor(vid.mm_token_type)
+    img_span, vid_span = ctx.spans
+    assert img_span.prepared.kind == "image" and vid_span.prepared.kind == "video"
+    types[0, list(img_span.rows)] = torch.tensor(img.mm_token_type)
+    types[0, list(vid_span.rows)] = torch.tensor(vid.mm_token_type)
     inputs = {
         "input_ids": torch.tensor([ctx.token_ids]),
         "mm_token_type_ids": types,
@@ -318,7 +315,7 @@ def test_different_images_never_share_a_page_identical_ones_do(request, which):
         return ctx
 
     a1, a2, b = ctx_with(IMG_A), ctx_with(IMG_A), ctx_with(_png(64, 64, 99))
-    first_media = next(i for i, r in enumerate(a1.ctx._rows) if r.span is not None)
+    first_media = a1.spans[0].start
     full = a1.committed // ps
     shared_prefix = first_media // ps  # pages entirely before the image
     assert a1.token_ids == b.token_ids  # same ids: only the pixels differ

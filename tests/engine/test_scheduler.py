@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import Context, Model, Sampler
-from tests.engine.conftest import TINY_QWEN, assert_logits_close
+from tests.engine.conftest import TINY_QWEN, WAIT_S, assert_logits_close
 
 PREFILL = 16  # rows per prefill chunk
 BUDGET = 24  # rows per forward pass: one chunk plus a few decode rows
@@ -176,17 +176,19 @@ def test_cancelled_and_closed_contexts_free_pages_others_go_on(small):
         for c, p in zip(ctxs, prompts, strict=True):
             c.fill_tokens(p)
         progress = [0, 0, 0]
+        all_started = asyncio.Event()
 
         async def run(i: int):
             toks = []
             async for ev in ctxs[i].stream(Sampler.greedy(), max_tokens=n_tok, stop=None):
                 toks.append(ev.token)
                 progress[i] += 1
+                if min(progress) >= 4:
+                    all_started.set()
             return toks
 
         tasks = [asyncio.create_task(run(i)) for i in range(3)]
-        while min(progress) < 4:
-            await asyncio.sleep(0)
+        await asyncio.wait_for(all_started.wait(), WAIT_S)  # every stream is mid-flight
         mid = small.pool_stats()
         assert mid.in_use > baseline.in_use
         tasks[0].cancel()  # cancel a generate task mid-flight
