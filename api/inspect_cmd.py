@@ -11,10 +11,21 @@ from typing import Any
 from media import Audio, Image, MediaLimits, PieMediaError, Video
 from media.detect import open_media
 
-
 _PRINTED = (
-    "kind", "format", "subtype", "codec", "width", "height", "mode", "sample_rate", "channels", "duration", "fps",
-    "frame_count", "has_audio", "content_hash",
+    "kind",
+    "format",
+    "subtype",
+    "codec",
+    "width",
+    "height",
+    "mode",
+    "sample_rate",
+    "channels",
+    "duration",
+    "fps",
+    "frame_count",
+    "has_audio",
+    "content_hash",
 )
 
 
