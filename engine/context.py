@@ -35,6 +35,7 @@ from engine.errors import ContextClosedError, InvalidRequestError
 from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable
+from media import check_int
 
 if TYPE_CHECKING:
     from encoders import Prepared
@@ -337,6 +338,7 @@ class Context:
         self._check_open()
         if self._busy:
             raise InvalidRequestError("cannot truncate a context while it runs a forward pass")
+        n = check_int("rows to keep", n)
         if not 0 <= n <= len(self._rows):
             raise InvalidRequestError(f"cannot truncate to {n} rows: the context has {len(self._rows)}")
         if 0 < n < len(self._rows):
@@ -355,6 +357,7 @@ class Context:
 
     def rewind(self, k: int) -> Context:
         """Drop the last ``k`` rows."""
+        k = check_int("rows to drop", k, min=0)
         return self.truncate(max(0, len(self._rows) - k))
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from engine.errors import OutOfPagesError
 from engine.page_hashing import PageKey
+from media import check_int
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,8 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        page_size = check_int("page_size", page_size, min=1)
+        num_pages = check_int("num_pages", num_pages, min=1)
         self.layers = list(layers)
         self.page_size = page_size
         self.num_pages = num_pages

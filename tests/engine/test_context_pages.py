@@ -175,6 +175,13 @@ def test_rewind_and_regenerate(qwen):
     first = _greedy(ctx, 8)
     ctx.rewind(8)
     assert _greedy(ctx, 8) == first
+    n = len(ctx)
+    for bad in (True, 1.0, -1):
+        with pytest.raises(InvalidRequestError):
+            ctx.rewind(bad)
+    with pytest.raises(InvalidRequestError):
+        ctx.truncate(False)
+    assert len(ctx) == n
     ctx.close()
 
 

@@ -87,3 +87,13 @@ def test_page_keys_cover_tokens_media_positions_and_parent():
     assert len({base, img_a, img_b, shifted}) == 4
     m3 = page_key(None, tokens=[1], media=[None], positions=[(0, 0, 0)])
     assert m3 != page_key(None, tokens=[1], media=[None], positions=[(0, 0, 1)])
+
+
+def test_sizes_are_ints():
+    from engine import InvalidRequestError
+
+    layers = [LayerLayout(1, 2)]
+    for bad in ({"num_pages": 0}, {"num_pages": True}, {"num_pages": 2.0}, {"num_pages": 2, "page_size": 0}):
+        with pytest.raises(InvalidRequestError):  # a ValueError too
+            KVPool(layers, **bad)
+    assert KVPool(layers, num_pages=2, page_size=3).page_size == 3
