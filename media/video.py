@@ -178,42 +178,6 @@ class Video:
     def limits(self) -> MediaLimits:
         return self._limits
 
-    @property  # forwarding: use .info
-    def width(self) -> int:
-        return self.info.width
-
-    @property  # forwarding: use .info
-    def height(self) -> int:
-        return self.info.height
-
-    @property  # forwarding: use .info
-    def fps(self) -> float:
-        return self.info.fps
-
-    @property  # forwarding: use .info
-    def duration(self) -> float:
-        return self.info.duration
-
-    @property  # forwarding: use .info
-    def frame_count(self) -> int:
-        return self.info.frame_count
-
-    @property  # forwarding: use .info
-    def frame_count_source(self) -> str:
-        return self.info.frame_count_source
-
-    @property  # forwarding: use .info
-    def format(self) -> str:
-        return self.info.format
-
-    @property  # forwarding: use .info
-    def codec(self) -> str:
-        return self.info.codec
-
-    @property  # forwarding: use .info
-    def has_audio(self) -> bool:
-        return self.info.has_audio
-
     @property
     def keyframe_indices(self) -> list[int]:
         """Indices of keyframes (from a demux-only pass; ``[0]`` when unknown)."""

@@ -265,10 +265,10 @@ class Gemma4Encoder(CheckpointEncoder):
             raise InvalidRequestError("`num_frames` and `fps` are mutually exclusive, give one", kind="video")
         num_frames = optional_positive("num_frames", num_frames, integer=True, kind="video")
         fps = optional_positive("fps", fps, integer=False, kind="video")
-        total = video.frame_count
+        total = video.info.frame_count
         if total < 1:
             raise EmptyMediaError("the video has no frames", actual=0, kind="video")
-        video_fps = float(video.fps) if video.fps and video.fps > 0 else 24.0  # the reference's fallback
+        video_fps = float(video.info.fps) if video.info.fps and video.info.fps > 0 else 24.0  # the reference's fallback
         if s.do_sample_frames:
             indices = sample_frame_indices(total, num_frames, fps, video_fps)
         else:

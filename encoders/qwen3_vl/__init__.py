@@ -53,7 +53,6 @@ from encoders.qwen3_vl.reference import (
 )
 from encoders.qwen3_vl.settings import ImageSettings, SpecialTokens, VideoSettings
 
-_ImagePixels = ImagePixels
 """The class's name before the split into modules (kept for callers that import it)."""
 
 __all__ = [

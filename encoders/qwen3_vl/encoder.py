@@ -182,8 +182,8 @@ class Qwen3VLEncoder(CheckpointEncoder):
         allowed = {"fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels"}
         self._check_params(params, allowed, "video")
         s = self.video_settings
-        total = video.frame_count
-        video_fps = video.fps if video.fps and video.fps > 0 else None
+        total = video.info.frame_count
+        video_fps = video.info.fps if video.info.fps and video.info.fps > 0 else None
         indices = self._frame_indices(total, video_fps, params)
         sampled = video.sample_indices(indices)
         kept = list(sampled.indices)  # frames a damaged file could not deliver are left out

@@ -594,7 +594,7 @@ def test_video_against_reference_formulas(enc, ref, samples, name, params, embed
     budget = params.get("max_soft_tokens", s.max_soft_tokens)
 
     # frame choice: the reference's default sampler on the same metadata
-    metadata = VideoMetadata(total_num_frames=video.frame_count, fps=video.fps)
+    metadata = VideoMetadata(total_num_frames=video.info.frame_count, fps=video.info.fps)
     sampler_kw = (
         {"fps": params["fps"]} if "fps" in params else {"num_frames": params.get("num_frames", s.num_frames)}
     )
@@ -603,7 +603,7 @@ def test_video_against_reference_formulas(enc, ref, samples, name, params, embed
 
     # per-frame tokens: the reference's size rule for the video budget
     th, tw = get_aspect_ratio_preserving_size(
-        height=video.height, width=video.width, patch_size=16, max_patches=budget * 9, pooling_kernel_size=3
+        height=video.info.height, width=video.info.width, patch_size=16, max_patches=budget * 9, pooling_kernel_size=3
     )
     per_frame = (th // 16) * (tw // 16) // 9
     assert p.meta["tokens_per_frame"] == per_frame and p.token_count == per_frame * len(indices)
@@ -651,10 +651,10 @@ def test_video_against_reference_formulas(enc, ref, samples, name, params, embed
 def test_video_shorter_than_num_frames_takes_every_frame(enc, samples):
     """The reference raises when asked for more frames than the clip has (32 of 20); we take all."""
     video = Video.from_path(samples / "video" / "animated_160x120_10fps_2s.gif")
-    assert video.frame_count < 32
+    assert video.info.frame_count < 32
     p = enc.prepare(video)
-    assert p.meta["frame_indices"] == list(range(video.frame_count))
-    assert p.inputs["pixel_values_videos"].shape[0] == video.frame_count
+    assert p.meta["frame_indices"] == list(range(video.info.frame_count))
+    assert p.inputs["pixel_values_videos"].shape[0] == video.info.frame_count
 
 
 def test_video_parameters_are_validated(enc, samples):

@@ -561,7 +561,7 @@ def test_video_span_matches_processor_and_rope_index(encoder, processor, model, 
     image_inputs = processor.image_processor([im.to_pil() for im in images], return_tensors="pt")
     image_repl = [processor.replace_image_token(image_inputs, i) for i in range(2)]
     metadata = VideoMetadata(
-        total_num_frames=video.frame_count, fps=video.fps, frames_indices=pv.meta["frame_indices"]
+        total_num_frames=video.info.frame_count, fps=video.info.fps, frames_indices=pv.meta["frame_indices"]
     )
     video_inputs = {"video_grid_thw": pv.inputs["video_grid_thw"], "video_metadata": [metadata]}
     video_repl = [processor.replace_video_token(video_inputs, 0)]

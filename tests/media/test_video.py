@@ -100,13 +100,6 @@ def test_info_is_a_frozen_dataclass(vdir: Path) -> None:
     ]
 
 
-def test_forwarding_properties_match_info(vdir: Path) -> None:
-    # Kept until encoders/ and api/ read .info; delete with the properties.
-    v = load(vdir, fx.AUDIO_CLIP)
-    for name, value in v.info.to_dict().items():
-        assert getattr(v, name) == value
-
-
 def test_frame_count_source(vdir: Path) -> None:
     # MP4 declares its sample count; Matroska does not, so packets are counted (no decode).
     assert load(vdir, "h264_320x240_30fps_3s.mp4").info.frame_count_source == "container"
