@@ -17,6 +17,7 @@ from engine.checkpoint import (
     read_config,
     resolve_checkpoint,
 )
+from engine.completion import ChoiceEvent, ChoiceResult, Completion, CompletionParams, Turn, complete
 from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.errors import (
     AttentionBackendUnavailableError,
@@ -38,6 +39,12 @@ from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
+    "ChoiceEvent",
+    "ChoiceResult",
+    "Completion",
+    "CompletionParams",
+    "Turn",
+    "complete",
     "AttentionBackendUnavailableError",
     "CheckpointShapeError",
     "Context",

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 MM_TYPES = {"image": 1, "video": 2, "audio": 3}
 DEFAULT_MAX_TOKENS = 256
+LOGPROBS_MAX = 20
+"""Alternatives per token a stream reports at most (OpenAI's limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +93,14 @@ class TokenEvent:
 
     token: int
     text: str
-    """Text this token completed (may be empty while a multi-byte character is open)."""
+    """Text this token made visible: empty while a multi-byte character is open or while the
+    text could still be the start of a stop string (it shows once that is decided), so the
+    texts of all events join to exactly the final text."""
     done: stopping.StopReason | None = None
+    logprob: float | None = None
+    """log p(token) under the model's raw distribution (when the stream asked for logprobs)."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The most probable (token, logprob) pairs, most probable first (when asked)."""
 
 
 @dataclass
@@ -106,6 +114,7 @@ class Context:
 
     def __init__(self, model: Model, *, seed: int | None = None):
         self.model = model
+        model.live_contexts.add(self)
         # The pages this context holds; released when it closes or is collected.
         self._table = PageTable(model.pool)
         self._finalizer = weakref.finalize(self, PageTable.release, self._table)
@@ -271,10 +280,15 @@ class Context:
         stop: stopping.StopCondition | None = None,
         *,
         max_tokens: int | None = None,
+        logprobs: int | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``generate`` one token at a time: yields a ``TokenEvent`` per token; the last one
-        carries ``done`` (the stop reason)."""
+        carries ``done`` (the stop reason). ``logprobs=k`` adds each token's log-probability
+        and the ``k`` most probable alternatives (raw model distribution, before the
+        sampler's temperature and filters, as OpenAI and vLLM report them)."""
         self._check_open()
+        if logprobs is not None:
+            check_int("logprobs", logprobs, min=0, max=LOGPROBS_MAX)
         sampler = sampler or sampling.Sampler.greedy()
         cond = self._stop_condition(stop, max_tokens)
         tracker = cond.start()
@@ -286,16 +300,25 @@ class Context:
             self._check_open()
             assert self._last_logits is not None
             token = int(sampling.sample(self._last_logits[None], sampler, self._rng())[0])
+            lp, top = (
+                sampling.logprobs_of(self._last_logits, token, logprobs)
+                if logprobs is not None
+                else (None, ())
+            )
             generated.append(token)
             self._append_text([token])
             text = self.model.detokenize(generated, skip_special_tokens=True)
             reason = tracker.check(generated, text)
-            visible = reason.text if reason is not None else text
+            if reason is not None:
+                visible = reason.text
+            else:
+                hold = cond.holdback(text)
+                visible = text[: len(text) - hold]
             delta = ""
             if reason is not None or not visible.endswith("\ufffd"):
                 delta = visible[len(emitted) :] if visible.startswith(emitted) else visible
                 emitted = visible
-            yield TokenEvent(token=token, text=delta, done=reason)
+            yield TokenEvent(token=token, text=delta, done=reason, logprob=lp, top_logprobs=top)
             if reason is not None:
                 return
             with self._guard():
@@ -410,6 +433,13 @@ class Context:
             raise InvalidRequestError("this context is already running a forward pass; await it first")
         return _Busy(self)
 
+    def reseed(self, seed: int) -> Context:
+        """Sample from now on with a fresh generator seeded by ``seed`` (e.g. each fork of a
+        prompt its own seed, so n choices are reproducible and different)."""
+        self._seed = check_int("seed", seed)
+        self._generator = sampling.generator(self._seed)
+        return self
+
     def _rng(self) -> torch.Generator | None:
         if self._generator is None and self._seed is not None:
             self._generator = sampling.generator(self._seed)
@@ -506,7 +536,9 @@ class Context:
         self, stop: stopping.StopCondition | None, max_tokens: int | None
     ) -> stopping.StopCondition:
         if stop is None:
-            cond: stopping.StopCondition = stopping.max_tokens(max_tokens or DEFAULT_MAX_TOKENS)
+            cond: stopping.StopCondition = stopping.max_tokens(
+                DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+            )
             if self.model.eos_token_ids:
                 cond = cond | stopping.eos(self.model.eos_token_ids)
             return cond

@@ -46,6 +46,9 @@ class PoolStats:
     num_pages: int
     page_size: int
     in_use: int
+    """Pages held by at least one context or saved name."""
+    shared: int
+    """Of those, pages held more than once (prefix sharing, forks)."""
     cached: int
     free: int
     bytes_per_page: int
@@ -128,6 +131,7 @@ class KVPool:
                 num_pages=self.num_pages,
                 page_size=self.page_size,
                 in_use=in_use,
+                shared=sum(1 for r in self._ref if r > 1),
                 cached=len(self._cached),
                 free=len(self._free),
                 bytes_per_page=self.bytes_per_page,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,8 +42,9 @@ from engine.saved import SavedContexts
 from engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from encoders import EncoderCache, MediaEncoder, Prepared
+    from encoders import CacheStats, EncoderCache, MediaEncoder, Prepared
     from encoders.prepared import Encoded
+    from engine.context import Context
 
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 DEFAULT_CUDA_KV_FRACTION = 0.5
@@ -92,6 +94,8 @@ class Model:
         self._encoder: MediaEncoder | None = None
         self._encoder_lock = threading.Lock()
         self.saved = SavedContexts()
+        self.live_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        """Every context built on this model and not yet collected (``open_contexts`` counts the open ones)."""
         """Contexts saved by name (``Context.save``), pinned with their pages."""
 
     # -- loading ----------------------------------------------------------------------------
@@ -204,6 +208,16 @@ class Model:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # -- media ------------------------------------------------------------------------------
+    @property
+    def open_contexts(self) -> int:
+        """Contexts of this model that are open (not closed, not collected)."""
+        return sum(1 for c in list(self.live_contexts) if not c.closed)
+
+    @property
+    def encoder_cache_stats(self) -> CacheStats | None:
+        """Hits/misses of the encoder cache (None until the encoder is first used)."""
+        return self._encoder.cache.stats if self._encoder is not None else None
+
     @property
     def encoder(self) -> MediaEncoder:
         """The checkpoint's media encoder, sharing this model's loaded towers."""

@@ -339,3 +339,14 @@ def _run_custom(row: torch.Tensor, s: Sampler) -> int:
     if isinstance(choice, bool) or not 0 <= token < row.shape[-1]:
         raise ValueError(f"custom sampler returned {choice!r}; expected a token id in [0, {row.shape[-1]})")
     return token
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """log p(token) and the ``top`` most probable (id, logprob) pairs of one (V,) logits row,
+    under the raw distribution (log-softmax in float32)."""
+    lsm = torch.log_softmax(logits.float().reshape(-1), dim=-1)
+    chosen = float(lsm[token])
+    if top <= 0:
+        return chosen, ()
+    values, ids = torch.topk(lsm, min(top, lsm.shape[0]))
+    return chosen, tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))

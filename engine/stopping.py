@@ -51,6 +51,11 @@ class StopCondition:
         """One-shot check of a whole generation so far (no state kept)."""
         return self.start().check(token_ids, text)
 
+    def holdback(self, text: str) -> int:
+        """How many trailing characters of ``text`` a stream must not show yet because they
+        could be the start of a stop string (0 for conditions without strings)."""
+        return 0
+
     def __or__(self, other: StopCondition) -> StopCondition:
         if not isinstance(other, StopCondition):
             return NotImplemented
@@ -110,6 +115,15 @@ class StopStrings(StopCondition):
     def start(self) -> Tracker:
         return _StopStringTracker(self)
 
+    def holdback(self, text: str) -> int:
+        longest = 0
+        for s in self.strings:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest
+
 
 class _StopStringTracker:
     """Scans only the new tail of the text (plus len(longest) - 1 characters of overlap)."""
@@ -146,6 +160,9 @@ class AnyOf(StopCondition):
 
     def start(self) -> Tracker:
         return _AnyTracker([c.start() for c in self.conditions])
+
+    def holdback(self, text: str) -> int:
+        return max((c.holdback(text) for c in self.conditions), default=0)
 
 
 class _AnyTracker:

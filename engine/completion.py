@@ -1,0 +1,205 @@
+"""A chat completion with ``n`` choices, as serving APIs ask for it.
+
+The conversation is prefilled once in one context; each choice is a ``fork`` of it, so
+the prompt and its media are computed and stored once whatever ``n`` is (forks share
+the committed pages and copy only the partly filled last page). The choices then
+generate concurrently (their decode steps share forward passes) and their tokens come
+out interleaved, each tagged with its choice index.
+
+Media preparation (decode-side CPU work) runs on a worker thread, not on the event
+loop; encoding and the forward passes run on the model's scheduler as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import stopping
+from engine.context import Context
+from engine.errors import InvalidRequestError
+from engine.model import Model
+from engine.sampling import Sampler
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message: a role and its parts (strings and media objects, in order)."""
+
+    role: str
+    parts: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    sampler: Sampler = field(default_factory=Sampler.greedy)
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    seed: int | None = None
+    """Choice ``i`` samples from seed ``seed + i``: reproducible, and the choices differ."""
+    logprobs: int | None = None
+    """None: no log-probabilities; k >= 0: the chosen token's and the top ``k`` alternatives'."""
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """One generated token of one choice."""
+
+    index: int
+    token: int
+    text: str
+    """The text this token completed (may be empty while a character is open)."""
+    finish_reason: str | None = None
+    """"stop" (EOS or a stop string) or "length" on the choice's last token."""
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+_FINISH = {"eos": "stop", "stop_string": "stop", "length": "length"}
+
+
+class Completion:
+    """A running completion. ``async for event in completion`` yields ``ChoiceEvent``s of
+    all choices as they are produced; ``prompt_tokens`` is known once ``start`` returned.
+    Closing it (or leaving ``async with``) cancels unfinished choices and frees their pages."""
+
+    def __init__(self, model: Model, turns: Sequence[Turn], params: CompletionParams):
+        if params.n < 1:
+            raise InvalidRequestError(f"n must be >= 1, got {params.n}")
+        for t in turns:
+            if t.role not in ROLES:
+                raise InvalidRequestError(f"unknown role {t.role!r}; expected one of {', '.join(ROLES)}")
+        if not turns:
+            raise InvalidRequestError("a completion needs at least one message")
+        self.model = model
+        self.turns = tuple(turns)
+        self.params = params
+        self.prompt_tokens = 0
+        self.completion_tokens = [0] * params.n
+        self._contexts: list[Context] = []
+        self._tasks: list[asyncio.Task] = []
+        self._queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+        self._started = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Completion(model={self.model.name!r}, turns={len(self.turns)}, n={self.params.n}, "
+            f"prompt_tokens={self.prompt_tokens}, completion_tokens={sum(self.completion_tokens)})"
+        )
+
+    async def start(self) -> Completion:
+        """Prepare the media, prefill the conversation once and fork the choices."""
+        if self._started:
+            return self
+        self._started = True
+        prepared = [await self._prepare_parts(t.parts) for t in self.turns]
+        root = Context(self.model, seed=self.params.seed)
+        self._contexts.append(root)
+        for turn, parts in zip(self.turns, prepared, strict=True):
+            getattr(root, turn.role)(*parts)
+        root.cue()
+        await root.flush()
+        self.prompt_tokens = len(root)
+        choices = [root] + [root.fork() for _ in range(self.params.n - 1)]
+        self._contexts.extend(choices[1:])
+        if self.params.seed is not None:
+            for i, ctx in enumerate(choices):
+                ctx.reseed(self.params.seed + i)
+        self._remaining = len(choices)
+        self._tasks = [asyncio.create_task(self._run(i, ctx)) for i, ctx in enumerate(choices)]
+        return self
+
+    async def _prepare_parts(self, parts: Sequence[Any]) -> list[Any]:
+        out = []
+        for p in parts:
+            out.append(p if isinstance(p, str) else await asyncio.to_thread(self.model.prepare, p))
+        return out
+
+    def _stop(self) -> stopping.StopCondition:
+        cond: stopping.StopCondition = stopping.max_tokens(self.params.max_tokens)
+        if self.model.eos_token_ids:
+            cond = cond | stopping.eos(self.model.eos_token_ids)
+        if self.params.stop:
+            cond = cond | stopping.stop_strings(*self.params.stop)
+        return cond
+
+    async def _run(self, index: int, ctx: Context) -> None:
+        try:
+            async for ev in ctx.stream(self.params.sampler, self._stop(), logprobs=self.params.logprobs):
+                self.completion_tokens[index] += 1
+                self._queue.put_nowait(
+                    ChoiceEvent(
+                        index=index,
+                        token=ev.token,
+                        text=ev.text,
+                        finish_reason=_FINISH[ev.done.kind] if ev.done is not None else None,
+                        logprob=ev.logprob,
+                        top_logprobs=ev.top_logprobs,
+                    )
+                )
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, re-raised there
+            self._queue.put_nowait(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            self._queue.put_nowait(None)
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceEvent]:
+        await self.start()
+        remaining = len(self._tasks)
+        while remaining:
+            item = await self._queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                if isinstance(item, asyncio.CancelledError):
+                    continue
+                raise item
+            else:
+                yield item
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        for ctx in self._contexts:
+            ctx.close()
+
+    async def __aenter__(self) -> Completion:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str
+    tokens: list[int]
+    finish_reason: str | None
+    logprobs: list[ChoiceEvent]
+
+
+async def complete(
+    model: Model, turns: Sequence[Turn], params: CompletionParams
+) -> tuple[list[ChoiceResult], int]:
+    """Run a completion to the end: (choices in index order, prompt token count)."""
+    async with Completion(model, turns, params) as c:
+        results = [ChoiceResult(i, "", [], None, []) for i in range(params.n)]
+        async for ev in c:
+            r = results[ev.index]
+            r.text += ev.text
+            r.tokens.append(ev.token)
+            r.finish_reason = ev.finish_reason or r.finish_reason
+            if params.logprobs is not None:
+                r.logprobs.append(ev)
+        return results, c.prompt_tokens
