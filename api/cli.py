@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from api.serve_cmd import add_serve_parser, run_serve
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pie-media", description="Multimodal media pipeline for LLM serving.")
@@ -56,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True)
     bt = msub.add_parser("build-tiny", help="build the tiny random-weight checkpoints (no downloads)")
     bt.add_argument("--out", default=None, help="folder to build into (default: the fixture cache)")
+
+    add_serve_parser(sub)
 
     samples = sub.add_parser("samples", help="generate the sample media set and print where it is")
     samples.add_argument("--bench", action="store_true", help="also build the large benchmark clips")
@@ -131,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in built.items():
             print(f"{name}\t{path}")
         return 0
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "samples":
         from fixtures.samples import ensure_bench_media, ensure_samples
 

@@ -45,6 +45,8 @@ class CompletionParams:
     """Choice ``i`` samples from seed ``seed + i``: reproducible, and the choices differ."""
     logprobs: int | None = None
     """None: no log-probabilities; k >= 0: the chosen token's and the top ``k`` alternatives'."""
+    ignore_eos: bool = False
+    """Generate through EOS until ``max_tokens`` or a stop string (benchmarks, load tests)."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class Completion:
 
     def _stop(self) -> stopping.StopCondition:
         cond: stopping.StopCondition = stopping.max_tokens(self.params.max_tokens)
-        if self.model.eos_token_ids:
+        if self.model.eos_token_ids and not self.params.ignore_eos:
             cond = cond | stopping.eos(self.model.eos_token_ids)
         if self.params.stop:
             cond = cond | stopping.stop_strings(*self.params.stop)

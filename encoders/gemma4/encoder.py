@@ -268,7 +268,9 @@ class Gemma4Encoder(CheckpointEncoder):
         total = video.info.frame_count
         if total < 1:
             raise EmptyMediaError("the video has no frames", actual=0, kind="video")
-        video_fps = float(video.info.fps) if video.info.fps and video.info.fps > 0 else 24.0  # the reference's fallback
+        video_fps = (
+            float(video.info.fps) if video.info.fps and video.info.fps > 0 else 24.0
+        )  # the reference's fallback
         if s.do_sample_frames:
             indices = sample_frame_indices(total, num_frames, fps, video_fps)
         else:

@@ -603,7 +603,11 @@ def test_video_against_reference_formulas(enc, ref, samples, name, params, embed
 
     # per-frame tokens: the reference's size rule for the video budget
     th, tw = get_aspect_ratio_preserving_size(
-        height=video.info.height, width=video.info.width, patch_size=16, max_patches=budget * 9, pooling_kernel_size=3
+        height=video.info.height,
+        width=video.info.width,
+        patch_size=16,
+        max_patches=budget * 9,
+        pooling_kernel_size=3,
     )
     per_frame = (th // 16) * (tw // 16) // 9
     assert p.meta["tokens_per_frame"] == per_frame and p.token_count == per_frame * len(indices)

@@ -1,0 +1,124 @@
+"""``create_app(settings)``: the FastAPI app. Models load once in the lifespan; every
+route reaches them through ``app.state.service``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi_offline import FastAPIOffline
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.http.deps import Service
+from api.http.errors import install_error_handlers
+from api.http.media_refs import MediaResolver
+from api.http.metrics import ServiceMetrics
+from api.http.registry import ModelRegistry, ServedModel
+from api.http.routes import captions, chat, health, media, models
+from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
+from api.http.settings import ServeSettings
+from api.http.store import MediaStore
+from media import DEFAULT_LIMITS
+from speech import SpeechModel
+
+log = logging.getLogger("pie_media.http")
+
+ModelLoader = Callable[[str], Any]
+
+
+class _RequestMetrics:
+    """Counts every response by route template, method and status (pure ASGI, so
+    streaming responses are counted when they start, without buffering)."""
+
+    def __init__(self, app: ASGIApp, metrics: Callable[[], ServiceMetrics | None]):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                m = self.metrics()
+                if m is not None:
+                    route = scope.get("route")
+                    path = getattr(route, "path", "unmatched")
+                    m.requests.labels(path, scope["method"], str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+
+
+def _served_name(ref: str, model: Any) -> str:
+    return str(getattr(model, "name", None) or ref)
+
+
+def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) -> FastAPI:
+    """The app for ``settings``. ``loader(ref)`` loads one model reference (default:
+    ``api.model_ref.load_model``, which also resolves the tiny fixture names)."""
+    if loader is None:
+        from api.model_ref import load_model
+
+        def loader(ref: str) -> Any:
+            return load_model(ref, attention=settings.attention)
+
+    keys = ApiKeys.from_sources(settings.api_key_file)
+    registry = ModelRegistry()
+    store = MediaStore(settings.media_dir)
+    limits = DEFAULT_LIMITS
+    fetcher = MediaFetcher(
+        allowed_domains=settings.allowed_media_domains or None,
+        allow_http=settings.allow_http_media,
+        allow_private_networks=settings.allow_private_media_networks,
+        max_bytes=limits.max_bytes,
+        connect_timeout=settings.media_fetch_connect_timeout_s,
+        total_timeout=settings.media_fetch_timeout_s,
+    )
+    local = LocalMediaPolicy(settings.allowed_local_media_path, max_bytes=limits.max_bytes)
+    service = Service(
+        settings=settings,
+        models=registry,
+        store=store,
+        media=MediaResolver(store, fetcher, local, limits),
+        metrics=ServiceMetrics(registry),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        names = settings.served_model_names
+        if names and len(names) != len(settings.models):
+            raise ValueError(
+                f"{len(names)} --served-model-name for {len(settings.models)} --model; give one per model"
+            )
+        for i, ref in enumerate(settings.models):
+            model = await asyncio.to_thread(loader, ref)
+            kind = "speech" if isinstance(model, SpeechModel) else "chat"
+            name = names[i] if names else _served_name(ref, model)
+            registry.add(
+                ServedModel(name=name, model=model, kind=kind, max_concurrency=settings.max_concurrency)
+            )
+            log.info("loaded %s as %r (%s)", ref, name, kind)
+        registry.ready = True
+        yield
+        registry.ready = False
+
+    app = FastAPIOffline(
+        title="pie-media",
+        version="0.1.0",
+        description="Images, audio and video in; text and speech out. OpenAI-compatible where OpenAI has a shape.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    install_error_handlers(app, on_error=lambda code: service.metrics.media_errors.labels(code).inc())
+    auth = [Depends(bearer_auth(keys))] if keys.enabled else []
+    app.include_router(health.router)
+    for r in (models.router, chat.router, media.router, captions.router):
+        app.include_router(r, dependencies=auth)
+    app.add_middleware(_RequestMetrics, metrics=lambda: service.metrics)
+    return app

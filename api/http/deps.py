@@ -1,0 +1,44 @@
+"""The service object every route depends on (settings, models, store, media, metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from api.http.media_refs import MediaResolver
+from api.http.metrics import ServiceMetrics
+from api.http.registry import ModelRegistry
+from api.http.schemas import ErrorResponse
+from api.http.settings import ServeSettings
+from api.http.store import MediaStore
+
+_STATUS_TEXT = {
+    400: "Invalid request (bad parameters, corrupt or empty media, too many media items)",
+    401: "Missing or wrong API key",
+    404: "Unknown model or media id",
+    413: "Media or upload over a size/duration limit",
+    415: "Unsupported media format",
+    422: "Remote media could not be fetched (timeout, refused, non-2xx)",
+    429: "The model is at its concurrency limit; retry after Retry-After seconds",
+    503: "Models not loaded yet, or the KV pool is full",
+}
+
+
+@dataclass
+class Service:
+    settings: ServeSettings
+    models: ModelRegistry
+    store: MediaStore
+    media: MediaResolver
+    metrics: ServiceMetrics
+
+    @staticmethod
+    def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+        """OpenAPI entries for the error statuses a route can answer."""
+        return {s: {"model": ErrorResponse, "description": _STATUS_TEXT[s]} for s in statuses}
+
+
+def get_service(request: Request) -> Service:
+    return request.app.state.service

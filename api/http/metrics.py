@@ -1,0 +1,92 @@
+"""Prometheus metrics of one app (its own registry, so several apps in a process, as in
+tests, never share counters). Engine state (KV pages, encoder cache, admission) is read
+at scrape time by a collector; request-side events are counted as they happen."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from api.http.registry import ModelRegistry
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, models: ModelRegistry):
+        self.models = models
+
+    def collect(self) -> Iterator[Any]:
+        in_flight = GaugeMetricFamily(
+            "pie_media_requests_in_flight", "Admitted requests per model", labels=["model"]
+        )
+        capacity = GaugeMetricFamily(
+            "pie_media_max_concurrency", "Admission limit per model", labels=["model"]
+        )
+        pages = GaugeMetricFamily(
+            "pie_media_kv_pages", "KV pages by state (used, shared, cached, free)", labels=["model", "state"]
+        )
+        contexts = GaugeMetricFamily(
+            "pie_media_running_contexts", "Open contexts per model", labels=["model"]
+        )
+        cache = CounterMetricFamily(
+            "pie_media_encoder_cache", "Encoder-cache lookups by result", labels=["model", "result"]
+        )
+        for served in self.models:
+            in_flight.add_metric([served.name], served.in_flight)
+            capacity.add_metric([served.name], served.max_concurrency)
+            if served.kind != "chat":
+                continue
+            model = served.model
+            s = model.pool_stats()
+            pages.add_metric([served.name, "used"], s.in_use)
+            pages.add_metric([served.name, "shared"], s.shared)
+            pages.add_metric([served.name, "cached"], s.cached)
+            pages.add_metric([served.name, "free"], s.free)
+            contexts.add_metric([served.name], model.open_contexts)
+            stats = model.encoder_cache_stats
+            if stats is not None:
+                cache.add_metric([served.name, "hit"], stats.hits)
+                cache.add_metric([served.name, "miss"], stats.misses)
+        yield from (in_flight, capacity, pages, contexts, cache)
+
+
+class ServiceMetrics:
+    def __init__(self, models: ModelRegistry):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pie_media_http_requests",
+            "HTTP requests by route and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.media_errors = Counter("pie_media_errors", "Typed errors by code", ["code"], registry=r)
+        self.prompt_tokens = Counter(
+            "pie_media_prompt_tokens", "Prompt tokens (media included)", ["model"], registry=r
+        )
+        self.generated_tokens = Counter(
+            "pie_media_generated_tokens", "Generated tokens", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            "pie_media_time_to_first_token_seconds",
+            "Request start to first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pie_media_inter_token_latency_seconds",
+            "Time between tokens of one choice",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineCollector(models))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,108 @@
+"""The served models: name -> loaded model, its kind, and its admission counter.
+
+Every request for a model goes through that model's one engine (its scheduler batches
+all requests' forward passes). Admission is bounded: a slot is taken synchronously when
+the request is accepted (before any streaming response is returned) and given back when
+the request ends, so a full model answers 429 at once instead of queueing without bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.http.errors import ServiceError
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServedModel:
+    name: str
+    model: Any
+    """An ``engine.Model`` (chat) or a ``speech.SpeechModel`` (speech)."""
+    kind: str
+    """"chat" or "speech"."""
+    max_concurrency: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    in_flight: int = 0
+
+    @property
+    def architecture(self) -> str:
+        return str(self.model.architecture)
+
+    @property
+    def media_kinds(self) -> list[str]:
+        return sorted(getattr(self.model, "media_kinds", ()) or ())
+
+    def admit(self) -> Admission:
+        """Take a slot or raise ``queue_full`` (429 with Retry-After)."""
+        if self.in_flight >= self.max_concurrency:
+            raise ServiceError(
+                "queue_full",
+                f"model {self.name!r} is serving its maximum of {self.max_concurrency} concurrent "
+                f"requests; retry after {RETRY_AFTER_S} s",
+                retry_after=RETRY_AFTER_S,
+                limit=self.max_concurrency,
+            )
+        self.in_flight += 1
+        return Admission(self)
+
+    def __repr__(self) -> str:
+        return f"ServedModel({self.name!r}, kind={self.kind!r}, in_flight={self.in_flight}/{self.max_concurrency})"
+
+
+class Admission:
+    """A held slot; ``release()`` is idempotent (a stream may end in several ways)."""
+
+    def __init__(self, served: ServedModel):
+        self.served = served
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.served.in_flight -= 1
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class ModelRegistry:
+    def __init__(self) -> None:
+        self._models: dict[str, ServedModel] = {}
+        self.ready = False
+
+    def add(self, served: ServedModel) -> None:
+        if served.name in self._models:
+            raise ValueError(f"two models are served under the name {served.name!r}; use --served-model-name")
+        self._models[served.name] = served
+
+    def get(self, name: str, *, kind: str | None = None) -> ServedModel:
+        served = self._models.get(name)
+        if served is None or (kind is not None and served.kind != kind):
+            names = [m.name for m in self._models.values() if kind is None or m.kind == kind]
+            what = f"{kind} model" if kind else "model"
+            raise ServiceError(
+                "model_not_found",
+                f"the {what} {name!r} does not exist; served: {', '.join(names) or 'none'}",
+                param="model",
+            )
+        return served
+
+    def of_kind(self, kind: str) -> list[ServedModel]:
+        return [m for m in self._models.values() if m.kind == kind]
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def __repr__(self) -> str:
+        return f"ModelRegistry({list(self._models)}, ready={self.ready})"

@@ -1,0 +1,290 @@
+"""``POST /v1/chat/completions``: OpenAI's chat API with image, audio and video parts.
+
+This router converts (OpenAI messages -> engine turns with decoded media; OpenAI
+sampling fields -> an engine ``Sampler``), admits, and formats; the engine's
+``Completion`` prefills once, forks the ``n`` choices and generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from api.http.deps import Service, get_service
+from api.http.disconnect import cancel_on_disconnect
+from api.http.errors import ServiceError
+from api.http.schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from engine import ChoiceEvent, Completion, CompletionParams, InvalidRequestError, Sampler, Turn
+
+router = APIRouter(tags=["chat"])
+
+_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks when stream=true"},
+        **Service.error_responses(400, 401, 404, 413, 415, 422, 429, 503),
+    },
+)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, service: Service = Depends(get_service)
+):
+    served = service.models.get(body.model, kind="chat")
+    model = served.model
+    params = _params(body, service)
+    admission = served.admit()
+    try:
+        turns = await _turns(body.messages, service, set(model.media_kinds))
+        completion = Completion(model, turns, params)
+        started = time.perf_counter()
+        if body.stream:
+            await completion.start()  # prompt errors become a status, not a broken stream
+            return StreamingResponse(
+                _sse(completion, body, served.name, service, started, admission),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            return await cancel_on_disconnect(
+                request, _whole(completion, body, served.name, service, started)
+            )
+        finally:
+            await completion.aclose()
+            admission.release()
+    except BaseException:
+        admission.release()
+        raise
+
+
+def _params(body: ChatCompletionRequest, service: Service) -> CompletionParams:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0, 0.0):
+            raise InvalidRequestError(f"{name} is not supported by this server; leave it at 0", param=name)
+    if body.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported by this server", param="logit_bias")
+    if body.tools:
+        raise InvalidRequestError("tools are not supported by this server", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    limit = service.settings.max_tokens_limit
+    max_tokens = body.max_completion_tokens or body.max_tokens or service.settings.default_max_tokens
+    if max_tokens > limit:
+        raise InvalidRequestError(
+            f"max_tokens is {max_tokens}, over this server's limit of {limit}",
+            param="max_tokens",
+            limit=limit,
+            actual=max_tokens,
+        )
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if len(stop) > 4 or any(not s for s in stop):
+        raise InvalidRequestError("stop takes up to 4 non-empty strings", param="stop")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature == 0:
+        sampler = Sampler.greedy()
+    else:
+        top_k = body.top_k if body.top_k not in (None, 0, -1) else None
+        if top_k is not None and top_k < 1:
+            raise InvalidRequestError("top_k must be >= 1, or 0 / -1 to disable it", param="top_k")
+        sampler = Sampler(
+            temperature=temperature,
+            topk=top_k,
+            topp=1.0 if body.top_p is None else body.top_p,
+            minp=0.0 if body.min_p is None else body.min_p,
+        )
+    return CompletionParams(
+        sampler=sampler,
+        max_tokens=max_tokens,
+        stop=stop,
+        n=body.n,
+        seed=body.seed,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+async def _turns(messages: list[ChatMessage], service: Service, accepts: set[str]) -> list[Turn]:
+    limits = service.settings.limit_mm_per_prompt
+    counts = {"image": 0, "audio": 0, "video": 0}
+    turns = []
+    for i, msg in enumerate(messages):
+        role = _ROLE[msg.role]
+        content = msg.content
+        if content is None or isinstance(content, str):
+            turns.append(Turn(role, (content or "",)))
+            continue
+        parts: list[Any] = []
+        for j, part in enumerate(content):
+            param = f"messages[{i}].content[{j}]"
+            if part.type == "text":
+                parts.append(part.text)
+                continue
+            kind = {"image_url": "image", "input_audio": "audio", "video_url": "video"}[part.type]
+            if kind not in accepts:
+                raise InvalidRequestError(
+                    f"this model takes {', '.join(sorted(accepts)) or 'no media'}, not {kind}",
+                    param=param,
+                    kind=kind,
+                )
+            counts[kind] += 1
+            if counts[kind] > limits.get(kind, 0):
+                raise ServiceError(
+                    "too_many_media_items",
+                    f"more than {limits.get(kind, 0)} {kind} item(s) in one request (--limit-mm-per-prompt)",
+                    param=param,
+                    limit=limits.get(kind, 0),
+                    kind=kind,
+                )
+            resolver = service.media
+            if part.type == "image_url":
+                parts.append(await resolver.from_url(part.image_url.url, "image"))
+            elif part.type == "video_url":
+                parts.append(await resolver.from_url(part.video_url.url, "video"))
+            else:
+                parts.append(await resolver.from_base64(part.input_audio.data, "audio"))
+        turns.append(Turn(role, tuple(parts)))
+    return turns
+
+
+def _logprobs(service: Service, model: Any, ev: ChoiceEvent) -> TokenLogprob:
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        text = model.detokenize([token])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    top = [TopLogprob(**entry(t, lp)) for t, lp in ev.top_logprobs]
+    return TokenLogprob(**entry(ev.token, ev.logprob if ev.logprob is not None else 0.0), top_logprobs=top)
+
+
+def _usage(completion: Completion) -> Usage:
+    done = sum(completion.completion_tokens)
+    return Usage(
+        prompt_tokens=completion.prompt_tokens,
+        completion_tokens=done,
+        total_tokens=completion.prompt_tokens + done,
+    )
+
+
+class _Timing:
+    def __init__(self, service: Service, name: str, started: float):
+        self.service, self.name, self.started = service, name, started
+        self.last: dict[int, float] = {}
+
+    def token(self, index: int) -> None:
+        now = time.perf_counter()
+        m = self.service.metrics
+        if not self.last:
+            m.ttft.labels(self.name).observe(now - self.started)
+        elif index in self.last:
+            m.itl.labels(self.name).observe(now - self.last[index])
+        self.last[index] = now
+
+    def done(self, completion: Completion) -> None:
+        m = self.service.metrics
+        m.prompt_tokens.labels(self.name).inc(completion.prompt_tokens)
+        m.generated_tokens.labels(self.name).inc(sum(completion.completion_tokens))
+
+
+async def _whole(
+    completion: Completion, body: ChatCompletionRequest, name: str, service: Service, started: float
+) -> ChatCompletion:
+    n = completion.params.n
+    texts = [""] * n
+    reasons: list[Any] = [None] * n
+    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    timing = _Timing(service, name, started)
+    async for ev in completion:
+        timing.token(ev.index)
+        texts[ev.index] += ev.text
+        reasons[ev.index] = ev.finish_reason or reasons[ev.index]
+        if body.logprobs:
+            lps[ev.index].append(_logprobs(service, completion.model, ev))
+    timing.done(completion)
+    choices = [
+        Choice(
+            index=i,
+            message=AssistantMessage(content=texts[i]),
+            finish_reason=reasons[i],
+            logprobs=ChoiceLogprobs(content=lps[i]) if body.logprobs else None,
+        )
+        for i in range(n)
+    ]
+    return ChatCompletion(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=name,
+        choices=choices,
+        usage=_usage(completion),
+    )
+
+
+async def _sse(
+    completion: Completion,
+    body: ChatCompletionRequest,
+    name: str,
+    service: Service,
+    started: float,
+    admission: Any,
+) -> AsyncIterator[str]:
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        c = ChatCompletionChunk(id=cid, created=created, model=name, choices=choices, usage=usage)
+        return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
+
+    timing = _Timing(service, name, started)
+    try:
+        for i in range(completion.params.n):
+            yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+        async for ev in completion:
+            timing.token(ev.index)
+            lp = ChoiceLogprobs(content=[_logprobs(service, completion.model, ev)]) if body.logprobs else None
+            if ev.text or ev.finish_reason or lp is not None:
+                yield chunk(
+                    [
+                        ChunkChoice(
+                            index=ev.index,
+                            delta=Delta(content=ev.text or None),
+                            finish_reason=ev.finish_reason,
+                            logprobs=lp,
+                        )
+                    ]
+                )
+        timing.done(completion)
+        if include_usage:
+            yield chunk([], _usage(completion))
+        yield "data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the status line is gone; tell the client in the stream
+        code = getattr(e, "code", "server_error")
+        message = getattr(e, "message", "internal server error")
+        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'code': code}})}\n\n"
+    finally:
+        await completion.aclose()
+        admission.release()

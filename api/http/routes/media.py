@@ -1,0 +1,136 @@
+"""``/v1/media``: upload (multipart, streamed to disk under a byte cap), look up, delete.
+
+An upload is decoded and validated by ``media`` once; the file and its metadata are
+kept in the store (same bytes -> same id) and survive restarts. Each file's answer
+includes the tokens every loaded chat model would spend on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from api.http.deps import Service, get_service
+from api.http.errors import ServiceError, error_body, status_for
+from api.http.schemas import MediaDeleted, MediaObject, MediaUploadResponse, MediaUploadResult
+from api.http.uploads import receive_multipart
+from encoders import UnsupportedMediaKindError
+from media import PieMediaError, open_media
+
+router = APIRouter(tags=["media"])
+
+
+def media_object(record: Any) -> MediaObject:
+    meta = dict(record.metadata)
+    token_counts = meta.pop("token_counts", {})
+    return MediaObject(
+        id=record.id,
+        kind=record.kind,
+        filename=record.filename,
+        content_type=record.content_type,
+        bytes=record.size,
+        content_hash=record.content_hash,
+        created_at=int(record.created_at),
+        metadata=meta,
+        token_counts=token_counts,
+    )
+
+
+def token_counts(service: Service, media: Any) -> dict[str, int | None]:
+    """Tokens each loaded chat model spends on ``media`` (None: it cannot take this kind)."""
+    out: dict[str, int | None] = {}
+    for served in service.models.of_kind("chat"):
+        try:
+            out[served.name] = served.model.prepare(media).token_count
+        except UnsupportedMediaKindError:
+            out[served.name] = None
+    return out
+
+
+async def ingest(service: Service, spooled: Any) -> MediaObject:
+    """Decode, validate, count and store one spooled upload (the spool file is consumed)."""
+    data = await asyncio.to_thread(spooled.path.read_bytes)
+    media = await asyncio.to_thread(open_media, data, service.media.limits)
+    counts = await asyncio.to_thread(token_counts, service, media)
+    metadata = {**media.to_dict(), "token_counts": counts}
+    record, _created = await asyncio.to_thread(
+        service.store.put,
+        spooled.path,
+        content_hash=media.content_hash,
+        kind=media.kind,
+        size=spooled.size,
+        filename=spooled.filename,
+        content_type=spooled.content_type,
+        metadata=metadata,
+    )
+    return media_object(record)
+
+
+@router.post(
+    "/v1/media",
+    response_model=MediaUploadResponse,
+    responses=Service.error_responses(400, 401, 413, 415),
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {
+                            "file": {"type": "array", "items": {"type": "string", "format": "binary"}}
+                        },
+                    }
+                }
+            },
+            "required": True,
+        }
+    },
+)
+async def upload_media(request: Request, service: Service = Depends(get_service)):
+    s = service.settings
+    form = await receive_multipart(
+        request,
+        service.store.spool_dir,
+        max_file_bytes=s.max_upload_bytes,
+        max_total_bytes=s.max_upload_bytes * s.max_upload_files,
+        max_files=s.max_upload_files,
+    )
+    results: list[MediaUploadResult] = []
+    first_error: PieMediaError | None = None
+    try:
+        for f in form.files:
+            try:
+                results.append(MediaUploadResult(filename=f.filename, media=await ingest(service, f)))
+            except PieMediaError as e:
+                service.metrics.media_errors.labels(e.code).inc()
+                first_error = first_error or e
+                results.append(MediaUploadResult(filename=f.filename, error=e.to_dict()))
+    finally:
+        form.cleanup()
+    if first_error is not None:
+        # The stored files are not lost: their ids come back beside the error.
+        status = status_for(first_error)
+        body = error_body(f"{first_error.message}", status, code=first_error.code, param="file")
+        body["data"] = [r.model_dump() for r in results]
+        return JSONResponse(body, status, headers={"x-should-retry": "false"})
+    return MediaUploadResponse(data=results)
+
+
+@router.get("/v1/media/{media_id}", response_model=MediaObject, responses=Service.error_responses(401, 404))
+async def get_media(media_id: str, service: Service = Depends(get_service)) -> MediaObject:
+    record = await asyncio.to_thread(service.store.get, media_id)
+    if record is None:
+        raise ServiceError("media_not_found", f"no uploaded media with id {media_id!r}", param="media_id")
+    return media_object(record)
+
+
+@router.delete(
+    "/v1/media/{media_id}", response_model=MediaDeleted, responses=Service.error_responses(401, 404)
+)
+async def delete_media(media_id: str, service: Service = Depends(get_service)) -> MediaDeleted:
+    if not await asyncio.to_thread(service.store.delete, media_id):
+        raise ServiceError("media_not_found", f"no uploaded media with id {media_id!r}", param="media_id")
+    return MediaDeleted(id=media_id, deleted=True)

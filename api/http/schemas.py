@@ -1,0 +1,232 @@
+"""Request and response bodies (OpenAI shapes where OpenAI has one).
+
+Unknown request fields are ignored, as the OpenAI API and vLLM do; fields we know but
+cannot honour (tools, penalties, non-text response formats) are refused with a 400 by
+the route, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# ------------------------------------------------------------------ chat completions: request
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Lenient):
+    url: str = Field(max_length=64 * 1024 * 1024)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class VideoURL(_Lenient):
+    url: str = Field(max_length=256 * 1024 * 1024)
+
+
+class InputAudio(_Lenient):
+    data: str = Field(max_length=128 * 1024 * 1024, description="base64 audio bytes")
+    format: str = Field(max_length=16, description="wav, mp3, flac, ogg, ...")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class AudioPart(_Lenient):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class VideoPart(_Lenient):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, description="extension (vLLM): -1 or 0 disables")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="extension (vLLM)")
+    ignore_eos: bool = Field(default=False, description="extension (vLLM): generate through EOS")
+    n: int = Field(default=1, ge=1, le=16)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+
+
+# ------------------------------------------------------------------ chat completions: response
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+# ------------------------------------------------------------------ models, media, captions
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pie-media"
+    kind: Literal["chat", "speech"]
+    architecture: str
+    media_kinds: list[str]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class MediaObject(BaseModel):
+    id: str
+    object: Literal["media"] = "media"
+    kind: Literal["image", "audio", "video"]
+    filename: str | None
+    content_type: str | None
+    bytes: int
+    content_hash: str
+    created_at: int
+    metadata: dict[str, Any]
+    token_counts: dict[str, int | None] = Field(
+        default_factory=dict,
+        description="tokens each loaded model would spend on it (null: it cannot take it)",
+    )
+
+
+class MediaUploadResult(BaseModel):
+    """One file of an upload: the stored object, or the typed error that refused it."""
+
+    filename: str | None
+    media: MediaObject | None = None
+    error: dict[str, Any] | None = None
+
+
+class MediaUploadResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[MediaUploadResult]
+
+
+class MediaDeleted(BaseModel):
+    id: str
+    object: Literal["media"] = "media"
+    deleted: bool
+
+
+class CaptionResult(BaseModel):
+    filename: str | None
+    caption: str | None = None
+    error: dict[str, Any] | None = None
+    usage: Usage | None = None
+
+
+class CaptionResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[CaptionResult]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

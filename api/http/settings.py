@@ -1,0 +1,77 @@
+"""One settings object for the service: CLI flags, environment (``PIE_MEDIA_*``) and the
+API key file all land here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from media import DEFAULT_LIMITS
+
+MEDIA_KINDS = ("image", "audio", "video")
+
+
+def parse_mm_limits(text: str | dict[str, int] | None) -> dict[str, int]:
+    """``"image=8,video=1,audio=2"`` -> ``{"image": 8, "video": 1, "audio": 2}``."""
+    if text is None or isinstance(text, dict):
+        out = dict(text or {})
+    else:
+        out = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            kind, sep, value = item.partition("=")
+            if not sep or not value.strip().isdigit():
+                raise ValueError(f"--limit-mm-per-prompt expects kind=N[,kind=N], got {item!r}")
+            out[kind.strip()] = int(value)
+    unknown = set(out) - set(MEDIA_KINDS)
+    if unknown:
+        raise ValueError(f"unknown media kind(s) {sorted(unknown)}; expected {', '.join(MEDIA_KINDS)}")
+    return out
+
+
+class ServeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PIE_MEDIA_", extra="ignore")
+
+    models: list[str] = Field(default_factory=lambda: ["tiny"])
+    """Checkpoint directories or tiny fixture names (``tiny``, ``tiny-gemma4``, ``tiny-csm``)."""
+    served_model_names: list[str] = Field(default_factory=list)
+    """Names to serve ``models`` under, in order (default: each directory's name)."""
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key_file: Path | None = None
+    state_dir: Path = Path("pie-media-state")
+    """Uploads (files + SQLite index) live here and survive restarts."""
+    allowed_media_domains: list[str] = Field(default_factory=list)
+    """Empty: any public host; else only these hosts (and their subdomains)."""
+    allowed_local_media_path: Path | None = None
+    """``file://`` URLs are served only from under this folder (off when unset)."""
+    allow_http_media: bool = False
+    allow_private_media_networks: bool = False
+    """UNSAFE, for tests and closed networks: let media URLs reach private/loopback hosts."""
+    limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 8, "video": 1, "audio": 2})
+    max_concurrency: int = Field(default=32, ge=1)
+    """Requests in flight per model; past it the answer is 429 with Retry-After."""
+    max_upload_bytes: int = Field(default=DEFAULT_LIMITS.max_bytes, ge=1)
+    max_upload_files: int = Field(default=16, ge=1)
+    max_tokens_limit: int = Field(default=4096, ge=1)
+    default_max_tokens: int = Field(default=256, ge=1)
+    media_fetch_timeout_s: float = Field(default=10.0, gt=0)
+    media_fetch_connect_timeout_s: float = Field(default=3.0, gt=0)
+    attention: str = "auto"
+
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _mm(cls, v: object) -> dict[str, int]:
+        return parse_mm_limits(v)  # type: ignore[arg-type]
+
+    @field_validator("allowed_media_domains", "models", "served_model_names", mode="before")
+    @classmethod
+    def _csv(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [s.strip() for s in v.split(",") if s.strip()]
+        return v
+
+    @property
+    def media_dir(self) -> Path:
+        return self.state_dir / "media"

@@ -1,0 +1,95 @@
+"""``pie-media serve``: the HTTP service under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_STATE_DIR = "pie-media-state"
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    sv = sub.add_parser(
+        "serve", help="serve the models over HTTP (OpenAI-compatible chat, uploads, captions)"
+    )
+    sv.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        default=None,
+        help="checkpoint directory or tiny model name; repeat to serve several (default: tiny)",
+    )
+    sv.add_argument(
+        "--served-model-name",
+        dest="served_model_names",
+        action="append",
+        default=None,
+        help="name to serve the matching --model under (default: its directory name)",
+    )
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="one API key per line (also PIE_MEDIA_API_KEYS, comma-separated); required "
+        "unless bound to loopback",
+    )
+    sv.add_argument(
+        "--media-dir",
+        "--state-dir",
+        dest="state_dir",
+        type=Path,
+        default=Path(DEFAULT_STATE_DIR),
+        help=f"uploads and their SQLite index live here (default: ./{DEFAULT_STATE_DIR})",
+    )
+    sv.add_argument(
+        "--allowed-media-domains",
+        default=None,
+        help="comma-separated hosts media URLs may name (default: any public host)",
+    )
+    sv.add_argument(
+        "--allowed-local-media-path",
+        type=Path,
+        default=None,
+        help="allow file:// media URLs under this folder (default: refused)",
+    )
+    sv.add_argument("--allow-http-media", action="store_true", help="also fetch http:// media URLs")
+    sv.add_argument("--limit-mm-per-prompt", default=None, help="e.g. image=8,video=1,audio=2")
+    sv.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight per model (then 429)"
+    )
+    sv.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
+    sv.add_argument("--log-level", default="info")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.http.app import create_app
+    from api.http.security import ApiKeys, require_keys_or_loopback
+    from api.http.settings import ServeSettings
+
+    values = {
+        "models": args.models or ["tiny"],
+        "served_model_names": args.served_model_names or [],
+        "host": args.host,
+        "port": args.port,
+        "api_key_file": args.api_key_file,
+        "state_dir": args.state_dir,
+        "allowed_media_domains": args.allowed_media_domains,
+        "allowed_local_media_path": args.allowed_local_media_path,
+        "allow_http_media": args.allow_http_media,
+        "limit_mm_per_prompt": args.limit_mm_per_prompt,
+        "max_concurrency": args.max_concurrency,
+        "attention": args.attention,
+    }
+    try:
+        settings = ServeSettings(**{k: v for k, v in values.items() if v is not None})
+        require_keys_or_loopback(ApiKeys.from_sources(settings.api_key_file), settings.host)
+    except (ValueError, OSError) as e:
+        print(f"pie-media serve: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,263 @@
+"""The real server driven by the official ``openai`` client: answers over HTTP equal the
+engine's in-process answers token for token (greedy)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.api.http.conftest import Server
+
+QWEN = "tiny-qwen3-vl"
+GEMMA = "tiny-gemma4"
+
+
+def data_url(path: Path, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+
+
+@pytest.fixture(scope="module")
+def local_qwen():
+    from api.model_ref import load_model
+
+    return load_model("tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def local_gemma():
+    from api.model_ref import load_model
+
+    return load_model("tiny-gemma4", device="cpu")
+
+
+def in_process(model, parts: tuple, max_tokens: int) -> tuple[str, int, int]:
+    """(text, prompt tokens, completion tokens) from the engine directly, greedy."""
+    from engine import CompletionParams, Turn, complete, run_sync
+
+    results, prompt = run_sync(
+        complete(model, [Turn("user", parts)], CompletionParams(max_tokens=max_tokens))
+    )
+    return results[0].text, prompt, len(results[0].tokens)
+
+
+def image_message(url: str, text: str = "Describe this image.") -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}],
+        }
+    ]
+
+
+def test_models_and_health(server: Server, client: openai.OpenAI) -> None:
+    names = {m.id for m in client.models.list()}
+    assert {QWEN, GEMMA, "tiny-csm"} <= names
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/ready").status_code == 200
+
+
+def test_data_url_image_equals_in_process(client: openai.OpenAI, samples: Path, local_qwen) -> None:
+    from media import Image
+
+    path = samples / "images" / "photo_640x480.jpg"
+    r = client.chat.completions.create(
+        model=QWEN, messages=image_message(data_url(path, "image/jpeg")), max_tokens=12, temperature=0
+    )
+    text, prompt, done = in_process(local_qwen, (Image.from_path(path), "Describe this image."), 12)
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == prompt and r.usage.completion_tokens == done
+    assert r.usage.total_tokens == prompt + done
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_uploaded_image_by_id(server: Server, client: openai.OpenAI, samples: Path, local_qwen) -> None:
+    from media import Image
+
+    path = samples / "images" / "rgba.png"
+    up = httpx.post(f"{server.v1}/media", files=[("file", ("rgba.png", path.read_bytes(), "image/png"))])
+    assert up.status_code == 200, up.text
+    item = up.json()["data"][0]["media"]
+    assert item["kind"] == "image" and item["token_counts"][QWEN] > 0
+    again = httpx.post(f"{server.v1}/media", files=[("file", ("copy.png", path.read_bytes(), "image/png"))])
+    assert again.json()["data"][0]["media"]["id"] == item["id"]  # same bytes, same id
+    r = client.chat.completions.create(
+        model=QWEN, messages=image_message(f"pie-media://{item['id']}"), max_tokens=10, temperature=0
+    )
+    text, prompt, _ = in_process(local_qwen, (Image.from_path(path), "Describe this image."), 10)
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == prompt
+
+
+def test_streaming_equals_whole(client: openai.OpenAI, samples: Path) -> None:
+    url = data_url(samples / "images" / "cmyk.jpg", "image/jpeg")
+    whole = client.chat.completions.create(
+        model=QWEN, messages=image_message(url), max_tokens=16, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=QWEN,
+            messages=image_message(url),
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n2_sampled_choices_are_reproducible(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    a = client.chat.completions.create(model=QWEN, messages=msgs, max_tokens=8, temperature=1.0, n=2, seed=7)
+    b = client.chat.completions.create(model=QWEN, messages=msgs, max_tokens=8, temperature=1.0, n=2, seed=7)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    # seed + index per choice: deterministic, and the two choices are different samples
+    assert a.choices[0].message.content != a.choices[1].message.content
+    one = client.chat.completions.create(model=QWEN, messages=msgs, max_tokens=8, temperature=1.0, seed=7)
+    assert one.choices[0].message.content == a.choices[0].message.content
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt is counted once
+    assert a.usage.completion_tokens >= 2
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=QWEN,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+        # greedy: the chosen token is the most probable one
+        assert tok.top_logprobs[0].logprob == pytest.approx(tok.logprob, abs=1e-6)
+    assert "".join(t.token for t in content).startswith(r.choices[0].message.content[:1])
+
+
+def test_input_audio_on_gemma(client: openai.OpenAI, samples: Path, local_gemma) -> None:
+    from media import Audio
+
+    path = samples / "audio" / "tone_16k_mono.wav"
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "input_audio",
+                    "input_audio": {"data": base64.b64encode(path.read_bytes()).decode(), "format": "wav"},
+                },
+                {"type": "text", "text": "What do you hear?"},
+            ],
+        }
+    ]
+    r = client.chat.completions.create(model=GEMMA, messages=msgs, max_tokens=8, temperature=0)
+    text, prompt, _ = in_process(local_gemma, (Audio.from_path(path), "What do you hear?"), 8)
+    assert r.choices[0].message.content == text and r.usage.prompt_tokens == prompt
+
+
+def test_video_url_on_qwen(client: openai.OpenAI, samples: Path, local_qwen) -> None:
+    from media import Video
+
+    path = samples / "video" / "h264_320x240_30fps_3s.mp4"
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": data_url(path, "video/mp4")}},
+                {"type": "text", "text": "What happens?"},
+            ],
+        }
+    ]
+    r = client.chat.completions.create(model=QWEN, messages=msgs, max_tokens=8, temperature=0)
+    text, prompt, _ = in_process(local_qwen, (Video.from_path(path), "What happens?"), 8)
+    assert r.choices[0].message.content == text and r.usage.prompt_tokens == prompt
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "code"),
+    [
+        ({"model": "no-such-model"}, 404, "model_not_found"),
+        ({"presence_penalty": 0.5}, 400, "invalid_request"),
+        ({"max_tokens": 10**6}, 400, "invalid_request"),
+        ({"messages": []}, 400, "invalid_request"),
+        ({"model": "tiny-csm"}, 404, "model_not_found"),
+    ],
+)
+def test_typed_errors(client: openai.OpenAI, kwargs: dict, status: int, code: str) -> None:
+    args = {"model": QWEN, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == status
+    assert e.value.body["code"] == code and e.value.body["message"]
+
+
+def test_media_errors_are_4xx(client: openai.OpenAI, samples: Path) -> None:
+    cases = [
+        (image_message("data:image/png;base64,iVBORw0KGgo="), 400),  # truncated PNG
+        (image_message("http://127.0.0.1:9/x.png"), 400),  # http and loopback: refused
+        (image_message("https://127.0.0.1/x.png"), 400),  # loopback: refused
+        (image_message("file:///etc/passwd"), 400),  # no local path allowed
+        (image_message("pie-media://media-0000"), 404),
+        (image_message("ftp://example.com/x.png"), 400),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}],
+                }
+            ],
+            400,
+        ),  # Qwen3-VL takes no audio
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": data_url(samples / "images" / "rgba.png", "image/png")},
+                        }
+                    ]
+                    * 9,
+                }
+            ],
+            400,
+        ),  # over --limit-mm-per-prompt
+    ]
+    for messages, status in cases:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model=QWEN, messages=messages, max_tokens=2)
+        assert e.value.status_code == status, (messages[0]["content"][0], e.value.body)
+        assert e.value.body["code"]
+
+
+def test_openapi_lists_every_endpoint_and_errors(server: Server) -> None:
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    for path in (
+        "/v1/chat/completions",
+        "/v1/media",
+        "/v1/media/{media_id}",
+        "/v1/captions",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+    ):
+        assert path in spec["paths"], path
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"400", "404", "413", "415", "429"} <= set(chat)
+    docs = httpx.get(f"{server.url}/docs")
+    assert docs.status_code == 200 and "cdn" not in docs.text.lower()
