@@ -18,7 +18,7 @@ from api.http.errors import install_error_handlers
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.registry import ModelRegistry, ServedModel
-from api.http.routes import captions, chat, health, media, models
+from api.http.routes import ROUTERS, health
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
@@ -118,7 +118,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     install_error_handlers(app, on_error=lambda code: service.metrics.media_errors.labels(code).inc())
     auth = [Depends(bearer_auth(keys))] if keys.enabled else []
     app.include_router(health.router)
-    for r in (models.router, chat.router, media.router, captions.router):
+    for r in ROUTERS:
         app.include_router(r, dependencies=auth)
     app.add_middleware(_RequestMetrics, metrics=lambda: service.metrics)
     return app
