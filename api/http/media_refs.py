@@ -11,15 +11,64 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from api.http.errors import ServiceError
 from api.http.security import LocalMediaPolicy, MediaFetcher
 from api.http.store import MediaStore
-from media import Audio, Image, InvalidRequestError, MediaLimits, Video, decode_data_url
+from media import Audio, Image, InvalidRequestError, MediaLimits, Video, content_hash, decode_data_url
 
 DECODERS: dict[str, Any] = {"image": Image, "audio": Audio, "video": Video}
 UPLOAD_SCHEME = "pie-media://"
+DECODED_CACHE_BYTES = 256 * 1024 * 1024
+
+
+class DecodedMediaCache:
+    """Decoded images and audio by (kind, hash of the encoded bytes), LRU within a byte
+    budget: a client that sends the same image with every request pays its decode once
+    (the encoder cache then skips preparation and the tower too). Images and audio are
+    immutable, so one object is safely shared; videos decode frames lazily from a
+    stateful source and are not cached."""
+
+    def __init__(self, byte_budget: int = DECODED_CACHE_BYTES):
+        self.byte_budget = byte_budget
+        self._items: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def cost(media: Any) -> int:
+        return int(media.nbytes if isinstance(media, Image) else media.samples.nbytes)
+
+    def get(self, key: tuple[str, str]) -> Any | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item[0]
+
+    def put(self, key: tuple[str, str], media: Any) -> None:
+        size = self.cost(media)
+        if size > self.byte_budget:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = (media, size)
+            self._bytes += size
+            while self._bytes > self.byte_budget:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self._bytes -= dropped
+
+    def __repr__(self) -> str:
+        return f"DecodedMediaCache({len(self._items)} items, {self._bytes} bytes, hits={self.hits}, misses={self.misses})"
 
 
 class MediaResolver:
@@ -30,6 +79,7 @@ class MediaResolver:
         self.fetcher = fetcher
         self.local = local
         self.limits = limits
+        self.decoded = DecodedMediaCache()
 
     async def from_url(self, url: str, kind: str) -> Any:
         """The ``kind`` media object a URL names."""
@@ -75,4 +125,14 @@ class MediaResolver:
         return await self.decode(data, kind)
 
     async def decode(self, data: bytes, kind: str) -> Any:
-        return await asyncio.to_thread(DECODERS[kind].from_bytes, data, self.limits)
+        if kind == "video":
+            return await asyncio.to_thread(Video.from_bytes, data, self.limits)
+        return await asyncio.to_thread(self._decode_cached, data, kind)
+
+    def _decode_cached(self, data: bytes, kind: str) -> Any:
+        key = (kind, content_hash(data))
+        media = self.decoded.get(key)
+        if media is None:
+            media = DECODERS[kind].from_bytes(data, self.limits)
+            self.decoded.put(key, media)
+        return media

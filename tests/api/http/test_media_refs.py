@@ -1,0 +1,49 @@
+"""The resolver decodes a repeated image or clip once (bounded LRU), never a video."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from api.http.media_refs import DecodedMediaCache, MediaResolver
+from api.http.security import LocalMediaPolicy, MediaFetcher
+from api.http.store import MediaStore
+from media import DEFAULT_LIMITS, Image
+
+
+def _resolver(tmp: Path) -> MediaResolver:
+    return MediaResolver(
+        MediaStore(tmp / "store"), MediaFetcher(), LocalMediaPolicy(None, max_bytes=1 << 20), DEFAULT_LIMITS
+    )
+
+
+def test_repeated_bytes_decode_once(tmp_path: Path, samples: Path) -> None:
+    r = _resolver(tmp_path)
+    jpg = (samples / "images" / "photo_640x480.jpg").read_bytes()
+    wav = (samples / "audio" / "tone_16k_mono.wav").read_bytes()
+    mp4 = (samples / "video" / "h264_320x240_30fps_3s.mp4").read_bytes()
+
+    async def run():
+        a = await r.decode(jpg, "image")
+        b = await r.decode(jpg, "image")
+        c = await r.decode(wav, "audio")
+        d = await r.decode(wav, "audio")
+        v1 = await r.decode(mp4, "video")
+        v2 = await r.decode(mp4, "video")
+        return a, b, c, d, v1, v2
+
+    a, b, c, d, v1, v2 = asyncio.run(run())
+    assert a is b and c is d and v1 is not v2
+    assert (r.decoded.hits, r.decoded.misses) == (2, 2)
+
+
+def test_budget_evicts_least_recent(samples: Path) -> None:
+    img = Image.from_path(samples / "images" / "rgba.png")
+    cache = DecodedMediaCache(byte_budget=2 * img.nbytes)
+    for i in range(3):
+        cache.put(("image", str(i)), img)
+    assert cache.get(("image", "0")) is None
+    assert cache.get(("image", "1")) is img and cache.get(("image", "2")) is img
+    big = DecodedMediaCache(byte_budget=img.nbytes - 1)
+    big.put(("image", "x"), img)
+    assert big.get(("image", "x")) is None
