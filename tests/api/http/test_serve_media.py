@@ -195,3 +195,39 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
         "pie_media_requests_in_flight",
     ):
         assert name in text, name
+
+
+def test_uploads_survive_a_restart(tmp_path: Path, samples: Path) -> None:
+    from tests.api.http.conftest import start_server, stop_server
+
+    data = (samples / "images" / "gray.png").read_bytes()
+    first = start_server(tmp_path, models=("tiny",))
+    try:
+        item = httpx.post(f"{first.v1}/media", files=[("file", ("g.png", data, "image/png"))]).json()["data"][
+            0
+        ]
+    finally:
+        stop_server(first)
+    second = start_server(tmp_path, models=("tiny",))  # same --media-dir
+    try:
+        again = httpx.get(f"{second.v1}/media/{item['media']['id']}")
+        assert again.status_code == 200 and again.json() == item["media"]
+        r = httpx.post(
+            f"{second.v1}/chat/completions",
+            json={
+                "model": QWEN,
+                "max_tokens": 3,
+                "temperature": 0,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": f"pie-media://{item['media']['id']}"}}
+                        ],
+                    }
+                ],
+            },
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        stop_server(second)
