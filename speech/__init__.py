@@ -24,8 +24,11 @@ from speech.model import (
     audio_cutoff,
     is_end_frame,
 )
+from speech.stream_encoder import STREAM_FORMATS, StreamEncoder
 
 __all__ = [
+    "STREAM_FORMATS",
+    "StreamEncoder",
     "CSM_ARCHITECTURE",
     "EmptyTextError",
     "InvalidDurationError",

@@ -10,6 +10,7 @@ Formats (``SPEECH_FORMATS``):
 - ``opus``: Opus in an Ogg container through PyAV's libopus at the clip's rate (libopus accepts
   8/12/16/24/48 kHz), mono, 32 kbit/s. Lossy; the Ogg header keeps the 24 kHz input rate, which
   ``media.Audio.from_bytes`` reports (other decoders may hand back 48 kHz).
+- ``aac``: AAC-LC in ADTS frames through PyAV's native encoder, mono, 64 kbit/s. Lossy.
 - ``pcm``: raw little-endian float32 samples, no header (the clip's rate and 1 channel are out of band).
 - ``s16le``: raw little-endian signed 16-bit samples, no header.
 """
@@ -21,13 +22,15 @@ import io
 import numpy as np
 
 from speech.errors import UnsupportedAudioFormatError
+from speech.stream_encoder import encode_whole, s16
 
-SPEECH_FORMATS = ("wav", "flac", "mp3", "opus", "pcm", "s16le")
+SPEECH_FORMATS = ("wav", "flac", "mp3", "opus", "aac", "pcm", "s16le")
 MIME_TYPES = {
     "wav": "audio/wav",
     "flac": "audio/flac",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg; codecs=opus",
+    "aac": "audio/aac",
     "pcm": "audio/L32f",  # raw float32 little-endian
     "s16le": "audio/L16",
 }
@@ -38,10 +41,9 @@ _EXTENSIONS = {
     "mp3": "mp3",
     "opus": "opus",
     "ogg": "opus",
+    "aac": "aac",
     "pcm": "pcm",
 }
-_MP3_BITRATE = 64_000
-_OPUS_BITRATE = 32_000
 
 
 def normalize_format(fmt: str) -> str:
@@ -67,39 +69,11 @@ def format_from_extension(path: str) -> str:
     return _EXTENSIONS[ext]
 
 
-def _s16(pcm: np.ndarray) -> np.ndarray:
-    return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2")
-
-
 def _soundfile(pcm: np.ndarray, rate: int, fmt: str) -> bytes:
     import soundfile as sf
 
     buf = io.BytesIO()
     sf.write(buf, pcm, rate, format=fmt, subtype="PCM_16")
-    return buf.getvalue()
-
-
-def _pyav(pcm: np.ndarray, rate: int, container: str, codec: str, bitrate: int) -> bytes:
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format=container) as out:
-        stream = out.add_stream(codec, rate=rate)
-        stream.bit_rate = bitrate
-        stream.layout = "mono"
-        cc = stream.codec_context
-        sample_fmt = "s16p" if "s16p" in [f.name for f in cc.codec.audio_formats] else "s16"
-        frame_size = cc.frame_size or 1152
-        samples = _s16(pcm)
-        for start in range(0, len(samples), frame_size):
-            chunk = samples[start : start + frame_size]
-            frame = av.AudioFrame.from_ndarray(chunk[None, :], format=sample_fmt, layout="mono")
-            frame.sample_rate = rate
-            frame.pts = start
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
     return buf.getvalue()
 
 
@@ -110,11 +84,9 @@ def encode_pcm(pcm: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     if fmt == "pcm":
         return pcm.astype("<f4").tobytes()
     if fmt == "s16le":
-        return _s16(pcm).tobytes()
+        return s16(pcm).tobytes()
     if fmt == "wav":
         return _soundfile(pcm, sample_rate, "WAV")
     if fmt == "flac":
         return _soundfile(pcm, sample_rate, "FLAC")
-    if fmt == "mp3":
-        return _pyav(pcm, sample_rate, "mp3", "libmp3lame", _MP3_BITRATE)
-    return _pyav(pcm, sample_rate, "ogg", "libopus", _OPUS_BITRATE)
+    return encode_whole(pcm, sample_rate, fmt)
