@@ -6,7 +6,9 @@ same suppression on both sides, no eos (random weights), ``N`` frames (default 2
 
 - RTF = generated audio seconds / wall seconds (higher is better);
 - first audio: ours = the first ``speak_stream`` chunk (2 frames); transformers has no streaming, so
-  its first audio arrives with the whole clip from ``generate(output_audio=True)``.
+  its first audio arrives with the whole clip from ``generate(output_audio=True)``;
+- ``ours over HTTP``: the same clip from ``pie-media serve`` (``POST /v1/audio/speech``, pcm, streamed),
+  first audio = the first response bytes at the client (``--no-http`` skips it).
 """
 
 from __future__ import annotations
@@ -52,7 +54,41 @@ def _build_big():
     return out
 
 
-def bench(checkpoint: Path, frames: int, repeats: int) -> None:
+def _http_row(checkpoint: Path, name: str, text: str, seconds: float):
+    """A server on 127.0.0.1 serving ``checkpoint`` and a function timing one streamed request."""
+    import sys
+    import tempfile
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.api.http.conftest import start_server, stop_server
+
+    server = start_server(Path(tempfile.mkdtemp(prefix="pie-bench-speech-")), models=(str(checkpoint),))
+    body = {
+        "model": name,
+        "input": text,
+        "voice": "0",
+        "response_format": "pcm",
+        "max_duration": seconds,
+        "temperature": 0,
+    }
+
+    def run_http():
+        t0 = time.perf_counter()
+        first, n = None, 0
+        with httpx.stream("POST", f"{server.v1}/audio/speech", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for piece in r.iter_bytes():
+                if first is None and piece:
+                    first = time.perf_counter() - t0
+                n += len(piece)
+        return time.perf_counter() - t0, first, n / 2 / 24000
+
+    return run_http, lambda: stop_server(server)
+
+
+def bench(checkpoint: Path, frames: int, repeats: int, http: bool = True) -> None:
     from transformers import AutoProcessor, CsmForConditionalGeneration
 
     from speech import SpeechModel
@@ -98,12 +134,19 @@ def bench(checkpoint: Path, frames: int, repeats: int) -> None:
         return time.perf_counter() - t0, first, n / ours.sample_rate
 
     rows = {"transformers generate": run_ref, "ours speak": run_speak, "ours speak_stream": run_stream}
-    for fn in rows.values():
-        fn()  # warm-up
-    results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in rows}
-    for _ in range(repeats):
-        for k, fn in rows.items():
-            results[k].append(fn())
+    stop = None
+    if http:
+        rows["ours over HTTP"], stop = _http_row(checkpoint, ours.name, text, seconds)
+    try:
+        for fn in rows.values():
+            fn()  # warm-up
+        results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in rows}
+        for _ in range(repeats):
+            for k, fn in rows.items():
+                results[k].append(fn())
+    finally:
+        if stop is not None:
+            stop()
     print(f"\n{ours.name}: {frames} frames ({seconds:.2f} s of audio), median of {repeats}")
     print(
         f"{'':24s} {'wall s':>8s} {'RTF':>7s} {'first audio s':>14s} {'RTF ratio':>10s} {'TTFA ratio':>11s}"
@@ -125,17 +168,18 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--big", action="store_true", help="also a random CSM with hidden 256, 4 layers")
+    parser.add_argument("--no-http", action="store_true", help="skip the row through pie-media serve")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from fixtures.tiny_models import ensure_tiny_model
 
-    bench(ensure_tiny_model("tiny-csm"), args.frames, args.repeats)
+    bench(ensure_tiny_model("tiny-csm"), args.frames, args.repeats, http=not args.no_http)
     if args.big:
         import shutil
 
         big = _build_big()
         try:
-            bench(big, args.frames, args.repeats)
+            bench(big, args.frames, args.repeats, http=not args.no_http)
         finally:
             shutil.rmtree(big, ignore_errors=True)
 
