@@ -52,6 +52,37 @@ class JobSummary:
     files: list[str] = field(default_factory=list)
 
 
+def make_record(
+    name: str,
+    settings: dict[str, Any],
+    *,
+    content_hash: str | None = None,
+    caption: str | None = None,
+    error: dict[str, Any] | None = None,
+    elapsed_s: float | None = None,
+) -> dict[str, Any]:
+    """One job record (the CLI's JSONL line, the HTTP job's result): a caption or an error."""
+    rec: dict[str, Any] = {"file": name}
+    if content_hash:
+        rec["content_hash"] = content_hash
+    if error is not None:
+        rec["error"] = error
+    else:
+        rec["caption"] = caption
+    rec.update(settings)
+    if error is None and elapsed_s is not None:
+        rec["elapsed_s"] = round(elapsed_s, 4)
+    return rec
+
+
+def error_dict(e: BaseException) -> dict[str, Any]:
+    """A typed error as a record's ``error`` (an unexpected one by its class name)."""
+    to_dict = getattr(e, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    return {"code": getattr(e, "code", None) or type(e).__name__, "message": str(e)}
+
+
 def expand_paths(paths: Iterable[str | os.PathLike[str]], *, exclude: Path | None = None) -> list[Path]:
     """Files named directly, plus every non-hidden file under named directories (sorted)."""
     skip = exclude.resolve() if exclude is not None else None
@@ -171,7 +202,7 @@ async def caption_job_async(
                 summary.earlier_errors += done[(name, h)]
                 return
             if err is not None:
-                rec = {"file": name, **({"content_hash": h} if h else {}), "error": err, **settings}
+                rec = make_record(name, settings, content_hash=h, error=err)
                 summary.errors += 1
                 writer.write(rec)
                 return
@@ -192,17 +223,17 @@ async def caption_job_async(
             try:
                 text = await fut
             except Exception as e:
-                code = getattr(e, "code", None) or type(e).__name__
-                rec = {
-                    "file": name,
-                    "content_hash": h,
-                    "error": {"code": code, "message": str(e)},
-                    **settings,
-                }
+                rec = make_record(
+                    name,
+                    settings,
+                    content_hash=h,
+                    error={"code": getattr(e, "code", None) or type(e).__name__, "message": str(e)},
+                )
                 summary.errors += 1
             else:
-                elapsed = round(time.perf_counter() - t0, 4)
-                rec = {"file": name, "content_hash": h, "caption": text, **settings, "elapsed_s": elapsed}
+                rec = make_record(
+                    name, settings, content_hash=h, caption=text, elapsed_s=time.perf_counter() - t0
+                )
             writer.write(rec)
 
     async def tracked(path: Path) -> None:

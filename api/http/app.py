@@ -15,6 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.http.deps import Service
 from api.http.errors import install_error_handlers
+from api.http.job_runner import JobRunner
+from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.registry import ModelRegistry, ServedModel
@@ -81,12 +83,15 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         total_timeout=settings.media_fetch_timeout_s,
     )
     local = LocalMediaPolicy(settings.allowed_local_media_path, max_bytes=limits.max_bytes)
+    jobs = JobStore(settings.state_dir / "jobs.sqlite3")
     service = Service(
         settings=settings,
         models=registry,
         store=store,
         media=MediaResolver(store, fetcher, local, limits),
         metrics=ServiceMetrics(registry),
+        jobs=jobs,
+        job_runner=JobRunner(jobs, store, registry, limits),
     )
 
     @asynccontextmanager
@@ -105,8 +110,10 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
             )
             log.info("loaded %s as %r (%s)", ref, name, kind)
         registry.ready = True
+        await service.job_runner.resume_all()  # jobs a killed server left unfinished
         yield
         registry.ready = False
+        await service.job_runner.shutdown()
 
     app = FastAPIOffline(
         title="pie-media",

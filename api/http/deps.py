@@ -7,6 +7,8 @@ from typing import Any
 
 from fastapi import Request
 
+from api.http.job_runner import JobRunner
+from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.registry import ModelRegistry
@@ -33,6 +35,8 @@ class Service:
     store: MediaStore
     media: MediaResolver
     metrics: ServiceMetrics
+    jobs: JobStore
+    job_runner: JobRunner
 
     @staticmethod
     def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -54,6 +54,9 @@ class ServeSettings(BaseSettings):
     """Requests in flight per model; past it the answer is 429 with Retry-After."""
     max_upload_bytes: int = Field(default=DEFAULT_LIMITS.max_bytes, ge=1)
     max_upload_files: int = Field(default=16, ge=1)
+    max_job_upload_files: int = Field(default=1000, ge=1)
+    """Files one multipart caption job may carry (each still under max_upload_bytes)."""
+    max_job_upload_bytes: int = Field(default=2 << 30, ge=1)
     max_tokens_limit: int = Field(default=4096, ge=1)
     default_max_tokens: int = Field(default=256, ge=1)
     media_fetch_timeout_s: float = Field(default=10.0, gt=0)
