@@ -4,6 +4,7 @@ route reaches them through ``app.state.service``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -15,12 +16,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.http.deps import Service
 from api.http.errors import install_error_handlers
+from api.http.files_store import FileStore
 from api.http.job_runner import JobRunner
 from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.registry import ModelRegistry, ServedModel
-from api.http.routes import ROUTERS, health
+from api.http.routes import ROUTERS, batches, health
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
@@ -92,7 +94,10 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         metrics=ServiceMetrics(registry),
         jobs=jobs,
         job_runner=JobRunner(jobs, store, registry, limits),
+        files=FileStore(settings.state_dir),
     )
+    service.job_runner.batch_line = functools.partial(batches.run_line, service)
+    service.job_runner.on_batch_done = functools.partial(batches.write_outputs, service)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

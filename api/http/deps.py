@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import Request
 
+from api.http.files_store import FileStore
 from api.http.job_runner import JobRunner
 from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
@@ -37,6 +38,7 @@ class Service:
     metrics: ServiceMetrics
     jobs: JobStore
     job_runner: JobRunner
+    files: FileStore
 
     @staticmethod
     def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from api.http.jobs_store import JobRecord, JobStore
@@ -28,6 +29,9 @@ class JobRunner:
         self.limits = limits
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancelled: set[str] = set()
+        # Set by the Batch API: run one batch line; write the output files at the end.
+        self.batch_line: Callable[[str, str | None], Awaitable[tuple[dict[str, Any], bool]]] | None = None
+        self.on_batch_done: Callable[[str], Awaitable[None]] | None = None
 
     def __repr__(self) -> str:
         return f"JobRunner(running={sorted(self._tasks)})"
@@ -77,12 +81,19 @@ class JobRunner:
         gate = asyncio.Semaphore(job.concurrency)
         settings = {"model": job.model, "prompt": job.prompt, "max_tokens": job.max_tokens}
 
-        async def one(idx: int, name: str, media_id: str | None) -> None:
+        async def one(idx: int, name: str, media_id: str | None, payload: str | None) -> None:
             async with gate:
-                record = await self._caption(model, job, name, media_id, settings)
-                await asyncio.to_thread(self.jobs.finish_item, job_id, idx, {"index": idx, **record})
+                if job.kind == "batch":
+                    assert self.batch_line is not None
+                    record, failed = await self.batch_line(name, payload)
+                else:
+                    record = {"index": idx, **await self._caption(model, job, name, media_id, settings)}
+                    failed = "error" in record
+                await asyncio.to_thread(self.jobs.finish_item, job_id, idx, record, failed=failed)
 
         await asyncio.gather(*(one(*item) for item in pending))
+        if job.kind == "batch" and self.on_batch_done is not None:
+            await self.on_batch_done(job_id)
         await asyncio.to_thread(self.jobs.set_status, job_id, "completed")
 
     async def _caption(

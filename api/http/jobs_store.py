@@ -24,6 +24,8 @@ FINAL = ("completed", "cancelled", "failed")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    meta TEXT NOT NULL,
     status TEXT NOT NULL,
     model TEXT NOT NULL,
     prompt TEXT NOT NULL,
@@ -40,6 +42,7 @@ CREATE TABLE IF NOT EXISTS job_items (
     idx INTEGER NOT NULL,
     name TEXT NOT NULL,
     media_id TEXT,
+    payload TEXT,
     status TEXT NOT NULL DEFAULT 'pending',
     result TEXT,
     finished_at REAL,
@@ -52,6 +55,9 @@ CREATE TABLE IF NOT EXISTS job_items (
 @dataclass
 class JobRecord:
     id: str
+    kind: str
+    """"captions" or "batch" (an OpenAI Batch API batch of chat requests)."""
+    meta: dict[str, Any]
     status: str
     model: str
     prompt: str
@@ -94,36 +100,52 @@ class JobStore:
         prompt: str,
         max_tokens: int,
         concurrency: int,
-        items: list[tuple[str, str | None, dict[str, Any] | None]],
+        items: list[tuple[str, str | None, dict[str, Any] | None, str | None]],
+        kind: str = "captions",
+        meta: dict[str, Any] | None = None,
+        prefix: str = "job-",
     ) -> JobRecord:
-        """A queued job over ``items`` = (name, media id or None, error record or None): an
-        item that already failed at submission (e.g. undecodable upload) is stored done."""
-        job_id = "job-" + uuid.uuid4().hex
+        """A queued job over ``items`` = (name, media id, error record, payload), each optional
+        but the name: an item that already failed at submission (an undecodable upload, a
+        malformed batch line) is stored finished with its error record."""
+        job_id = prefix + uuid.uuid4().hex
         now = time.time()
+        rows = [
+            (
+                job_id,
+                i,
+                name,
+                media_id,
+                payload,
+                "failed" if err else "pending",
+                json.dumps(err) if err else None,
+                now if err else None,
+                i + 1 if err else None,
+            )
+            for i, (name, media_id, err, payload) in enumerate(items)
+        ]
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.execute(
-                    "INSERT INTO jobs (id, status, model, prompt, max_tokens, concurrency, total, created_at) "
-                    "VALUES (?, 'queued', ?, ?, ?, ?, ?, ?)",
-                    (job_id, model, prompt, max_tokens, concurrency, len(items), now),
+                    "INSERT INTO jobs (id, kind, meta, status, model, prompt, max_tokens, concurrency, total, "
+                    "created_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+                    (
+                        job_id,
+                        kind,
+                        json.dumps(meta or {}),
+                        model,
+                        prompt,
+                        max_tokens,
+                        concurrency,
+                        len(items),
+                        now,
+                    ),
                 )
                 self._db.executemany(
-                    "INSERT INTO job_items (job_id, idx, name, media_id, status, result, finished_at, seq) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            job_id,
-                            i,
-                            name,
-                            media_id,
-                            "failed" if err else "pending",
-                            json.dumps(err) if err else None,
-                            now if err else None,
-                            i + 1 if err else None,
-                        )
-                        for i, (name, media_id, err) in enumerate(items)
-                    ],
+                    "INSERT INTO job_items (job_id, idx, name, media_id, payload, status, result, finished_at, seq) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    rows,
                 )
                 self._db.execute("COMMIT")
             except BaseException:
@@ -143,14 +165,17 @@ class JobStore:
                     "SELECT status, COUNT(*) FROM job_items WHERE job_id = ? GROUP BY status", (job_id,)
                 ).fetchall()
             )
-        return JobRecord(*row, done=counts.get("done", 0), failed=counts.get("failed", 0))
+        job_id, kind, meta, *rest = row
+        return JobRecord(
+            job_id, kind, json.loads(meta), *rest, done=counts.get("done", 0), failed=counts.get("failed", 0)
+        )
 
-    def list(self, limit: int = 100) -> list[JobRecord]:
+    def list(self, limit: int = 100, kind: str = "captions") -> list[JobRecord]:
         with self._lock:
             ids = [
                 r[0]
                 for r in self._db.execute(
-                    "SELECT id FROM jobs ORDER BY created_at DESC LIMIT ?", (limit,)
+                    "SELECT id FROM jobs WHERE kind = ? ORDER BY created_at DESC LIMIT ?", (kind, limit)
                 ).fetchall()
             ]
         return [j for j in map(self.get, ids) if j is not None]
@@ -165,16 +190,18 @@ class JobStore:
             ]
         return [j for j in map(self.get, ids) if j is not None]
 
-    def pending_items(self, job_id: str) -> list[tuple[int, str, str | None]]:
+    def pending_items(self, job_id: str) -> list[tuple[int, str, str | None, str | None]]:
+        """(index, name, media id, payload) of the items still to run."""
         with self._lock:
             return self._db.execute(
-                "SELECT idx, name, media_id FROM job_items WHERE job_id = ? AND status = 'pending' ORDER BY idx",
+                "SELECT idx, name, media_id, payload FROM job_items WHERE job_id = ? AND status = 'pending' "
+                "ORDER BY idx",
                 (job_id,),
             ).fetchall()
 
-    def finish_item(self, job_id: str, idx: int, result: dict[str, Any]) -> bool:
+    def finish_item(self, job_id: str, idx: int, result: dict[str, Any], *, failed: bool) -> bool:
         """Store an item's record; False (and nothing written) when it was already finished."""
-        status = "failed" if "error" in result else "done"
+        status = "failed" if failed else "done"
         with self._lock:
             cur = self._db.execute(
                 "UPDATE job_items SET status = ?, result = ?, finished_at = ?, seq = (SELECT COALESCE(MAX(seq), 0) "
@@ -198,6 +225,13 @@ class JobStore:
                     "('completed', 'cancelled', 'failed')",
                     (status, now, error, job_id),
                 )
+
+    def update_meta(self, job_id: str, **changes: Any) -> None:
+        with self._lock:
+            row = self._db.execute("SELECT meta FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is not None:
+                meta = {**json.loads(row[0]), **changes}
+                self._db.execute("UPDATE jobs SET meta = ? WHERE id = ?", (json.dumps(meta), job_id))
 
     def results(self, job_id: str, after: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
         """Finished items' records in the order they finished: (sequence number, record) for

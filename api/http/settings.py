@@ -57,6 +57,8 @@ class ServeSettings(BaseSettings):
     max_job_upload_files: int = Field(default=1000, ge=1)
     """Files one multipart caption job may carry (each still under max_upload_bytes)."""
     max_job_upload_bytes: int = Field(default=2 << 30, ge=1)
+    max_batch_file_bytes: int = Field(default=200 << 20, ge=1)
+    """Size of one Batch API input file (OpenAI's limit is 200 MB)."""
     max_tokens_limit: int = Field(default=4096, ge=1)
     default_max_tokens: int = Field(default=256, ge=1)
     media_fetch_timeout_s: float = Field(default=10.0, gt=0)

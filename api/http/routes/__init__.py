@@ -1,6 +1,15 @@
 """One router per resource. ``ROUTERS`` are served under the API-key check; ``health``
 (health, ready, metrics) is served without it."""
 
-from api.http.routes import captions, chat, jobs, media, models, speech
+from api.http.routes import batches, captions, chat, files, jobs, media, models, speech
 
-ROUTERS = [models.router, chat.router, media.router, captions.router, speech.router, jobs.router]
+ROUTERS = [
+    models.router,
+    chat.router,
+    media.router,
+    captions.router,
+    speech.router,
+    jobs.router,
+    files.router,
+    batches.router,
+]

@@ -79,6 +79,20 @@ async def chat_completions(
         raise
 
 
+async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCompletion:
+    """A whole (non-streamed) chat completion without an HTTP request around it: the Batch
+    API runs its lines through this, the same path as ``POST /v1/chat/completions``. No
+    admission slot is taken: a batch bounds its own concurrency."""
+    served = service.models.get(body.model, kind="chat")
+    params = _params(body, service)
+    turns = await _turns(body.messages, service, set(served.model.media_kinds))
+    completion = Completion(served.model, turns, params)
+    try:
+        return await _whole(completion, body, served.name, service, time.perf_counter())
+    finally:
+        await completion.aclose()
+
+
 def _params(body: ChatCompletionRequest, service: Service) -> CompletionParams:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):

@@ -209,7 +209,7 @@ async def create_caption_job(request: Request, service: Service = Depends(get_se
         max_tokens=body.max_tokens,
         concurrency=body.concurrency,
         items=[
-            (n, m, {"index": i, **make_record(n, settings, error=e)} if e is not None else None)
+            (n, m, {"index": i, **make_record(n, settings, error=e)} if e is not None else None, None)
             for i, (n, m, e) in enumerate(items)
         ],
     )

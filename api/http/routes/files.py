@@ -1,0 +1,109 @@
+"""OpenAI's Files API, as far as batches need it: ``POST /v1/files`` (multipart ``file`` +
+``purpose``), ``GET /v1/files``, ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``,
+``DELETE /v1/files/{id}``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel
+
+from api.http.deps import Service, get_service
+from api.http.errors import ServiceError
+from api.http.files_store import FileRecord
+from api.http.uploads import receive_multipart
+from media import InvalidRequestError
+
+router = APIRouter(tags=["files"])
+
+PURPOSES = ("batch", "batch_output", "user_data")
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+def file_object(r: FileRecord) -> FileObject:
+    return FileObject(
+        id=r.id, bytes=r.bytes, created_at=int(r.created_at), filename=r.filename, purpose=r.purpose
+    )
+
+
+async def get_file(service: Service, file_id: str) -> FileRecord:
+    record = await asyncio.to_thread(service.files.get, file_id)
+    if record is None:
+        raise ServiceError("not_found", f"no file {file_id!r}", param="file_id")
+    return record
+
+
+@router.post("/v1/files", response_model=FileObject, responses=Service.error_responses(400, 401, 413))
+async def upload_file(request: Request, service: Service = Depends(get_service)) -> FileObject:
+    s = service.settings
+    form = await receive_multipart(
+        request,
+        service.store.spool_dir,
+        max_file_bytes=s.max_batch_file_bytes,
+        max_total_bytes=s.max_batch_file_bytes,
+        max_files=1,
+    )
+    try:
+        purpose = form.fields.get("purpose", "")
+        if purpose not in PURPOSES:
+            raise InvalidRequestError(
+                f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose"
+            )
+        f = form.files[0]
+        record = await asyncio.to_thread(
+            service.files.add, f.path, filename=f.filename or "upload", purpose=purpose
+        )
+    finally:
+        form.cleanup()
+    return file_object(record)
+
+
+@router.get("/v1/files", response_model=FileList, responses=Service.error_responses(401))
+async def list_files(service: Service = Depends(get_service)) -> FileList:
+    return FileList(data=[file_object(r) for r in await asyncio.to_thread(service.files.list)])
+
+
+@router.get("/v1/files/{file_id}", response_model=FileObject, responses=Service.error_responses(401, 404))
+async def retrieve_file(file_id: str, service: Service = Depends(get_service)) -> FileObject:
+    return file_object(await get_file(service, file_id))
+
+
+@router.get(
+    "/v1/files/{file_id}/content",
+    responses={200: {"content": {"application/octet-stream": {}}}, **Service.error_responses(401, 404)},
+)
+async def file_content(file_id: str, service: Service = Depends(get_service)) -> FileResponse:
+    record = await get_file(service, file_id)
+    path = service.files.path(record.id)
+    assert path is not None
+    return FileResponse(path, media_type="application/octet-stream", filename=record.filename)
+
+
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=Service.error_responses(401, 404))
+async def delete_file(file_id: str, service: Service = Depends(get_service)) -> FileDeleted:
+    if not await asyncio.to_thread(service.files.delete, file_id):
+        raise ServiceError("not_found", f"no file {file_id!r}", param="file_id")
+    return FileDeleted(id=file_id, deleted=True)
