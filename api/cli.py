@@ -43,6 +43,18 @@ def _parser() -> argparse.ArgumentParser:
         "--concurrency", type=int, default=8, help="captions in flight at once with --out (default 8)"
     )
     cap.add_argument("--no-progress", action="store_true", help="no progress bar with --out")
+    cap.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray Data (pip install .[ray]): a local instance, or a cluster ADDRESS (auto, ray://host:10001); "
+        "needs --out (.jsonl or .parquet)",
+    )
+    cap.add_argument(
+        "--replicas", type=int, default=2, help="engine replicas (Ray actors) with --ray (default 2)"
+    )
 
     sp = sub.add_parser("speak", help="text to speech with a CSM model (tiny random weights make noise)")
     sp.add_argument("text")
@@ -98,6 +110,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.concurrency < 1:
             print("pie-media: --concurrency must be >= 1", file=sys.stderr)
             return 2
+        if args.ray is not None:
+            if args.out is None:
+                print("pie-media: --ray needs --out FILE.jsonl or FILE.parquet", file=sys.stderr)
+                return 2
+            from api.ray_captions import caption_with_ray
+
+            summary = caption_with_ray(
+                args.files,
+                args.out,
+                model=args.model,
+                prompt=args.prompt,
+                max_tokens=args.max_tokens,
+                replicas=args.replicas,
+                address=None if args.ray == "local" else args.ray,
+            )
+            print(f"{args.out}: {summary}", file=sys.stderr)
+            return 1 if summary.errors else 0
         try:
             return run_caption(
                 args.files,

@@ -1,0 +1,228 @@
+"""Batch captioning on Ray Data, for when one machine is not enough.
+
+    caption_with_ray(["photos/"], "captions.jsonl", model="tiny", replicas=2)
+    pie-media caption --ray [ADDRESS] photos/ --out captions.jsonl
+
+The pipeline: file names (local paths, expanded like the single-process job, or any URI
+``ray.data.read_binary_files`` reads) -> decode + prepare on CPU workers (a class-based
+UDF holding the model's preparer, no weights) -> caption on actors that each hold one
+engine (``replicas`` of them, one GPU each when there are GPUs; each actor runs its batch
+concurrently so the rows share forward passes) -> records. ``.jsonl`` outputs are
+appended by the driver, one fsync'ed record per file as in ``api.jobs``, so a rerun skips
+what is done (Ray Data's own checkpointing was not reliable here: resume is ours);
+``.parquet`` outputs are written by Ray (``write_parquet``, a folder).
+
+Records equal the single-process job's (``api.jobs``): a caption or a typed error per
+file, never a failed run. Ray is an optional extra (``pip install .[ray]``), imported
+only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api.jobs import _Writer, error_dict, expand_paths, make_record, read_records
+
+DEFAULT_BATCH = 8
+
+
+@dataclass
+class RaySummary:
+    total: int = 0
+    skipped: int = 0
+    captioned: int = 0
+    errors: int = 0
+    elapsed_s: float = 0.0
+    replicas: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.captioned} captioned, {self.skipped} already done, {self.errors} errors of {self.total} "
+            f"files in {self.elapsed_s:.1f}s on {self.replicas} engine replica(s)"
+        )
+
+
+class Prepare:
+    """CPU stage: bytes -> decoded image -> the model's prepared inputs (or an error)."""
+
+    def __init__(self, model_dir: str):
+        from encoders import encoder_for
+
+        self.encoder = encoder_for(model_dir, load_weights=False)
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        from media import Image, PieMediaError, content_hash
+
+        data, out = row["bytes"], {"file": row["file"], "prepared": None, "error": None, "content_hash": None}
+        try:
+            image = Image.from_bytes(data)
+            out["content_hash"] = image.content_hash
+            out["prepared"] = self.encoder.prepare(image)
+        except PieMediaError as e:
+            out["content_hash"] = out["content_hash"] or content_hash(data)
+            out["error"] = e.to_dict()
+        return out
+
+
+class Caption:
+    """GPU/CPU stage: one engine per actor; a batch's rows generate together."""
+
+    def __init__(self, model_ref: str, prompt: str, max_tokens: int):
+        import torch
+
+        from api.model_ref import load_model
+
+        torch.set_num_threads(1)
+        self.model = load_model(model_ref)
+        self.prompt, self.max_tokens = prompt, max_tokens
+        self.settings = {"model": self.model.name, "prompt": prompt, "max_tokens": max_tokens}
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        from engine import caption_async, run_sync
+
+        async def one(file: str, h: str | None, prepared: Any, error: Any) -> dict[str, Any]:
+            if error is not None:
+                return make_record(file, self.settings, content_hash=h, error=error)
+            t0 = time.perf_counter()
+            try:
+                text = await caption_async(
+                    self.model, prepared, prompt=self.prompt, max_tokens=self.max_tokens
+                )
+            except Exception as e:  # one file's failure is its record
+                return make_record(file, self.settings, content_hash=h, error=error_dict(e))
+            return make_record(
+                file, self.settings, content_hash=h, caption=text, elapsed_s=time.perf_counter() - t0
+            )
+
+        async def all_rows() -> list[dict[str, Any]]:
+            rows = zip(batch["file"], batch["content_hash"], batch["prepared"], batch["error"], strict=True)
+            return list(await asyncio.gather(*(one(*r) for r in rows)))
+
+        # JSON text: Arrow would merge the records' different keys into one struct schema.
+        return {"record": [json.dumps(r, ensure_ascii=False) for r in run_sync(all_rows())]}
+
+
+def _init_ray(address: str | None, replicas: int) -> Any:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:  # logical CPUs: the actors and the decode workers all get a slot on a small machine
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, replicas + 2), include_dashboard=False, log_to_driver=False
+            )
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return ray
+
+
+def caption_with_ray(
+    sources: list[str],
+    out: str | os.PathLike[str],
+    *,
+    model: str = "tiny",
+    prompt: str = "Describe this image.",
+    max_tokens: int = 32,
+    replicas: int = 2,
+    address: str | None = None,
+    batch_size: int = DEFAULT_BATCH,
+) -> RaySummary:
+    """Caption every file of ``sources`` into ``out`` (see the module docstring)."""
+    from api.model_ref import resolve_model_dir
+
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    out = Path(out)
+    model_dir = str(resolve_model_dir(model))
+    settings = {"model": Path(model_dir).name, "prompt": prompt, "max_tokens": max_tokens}  # Model.name
+    local = [s for s in sources if "://" not in s]
+    remote = [s for s in sources if "://" in s]
+    files = [str(f) for f in expand_paths(local, exclude=out)]
+    done: set[str] = set()
+    if out.suffix == ".jsonl":
+        records, _ = read_records(out)
+        done = {r["file"] for r in records if all(r.get(k) == v for k, v in settings.items())}
+    summary = RaySummary(total=len(files), replicas=replicas)
+    todo = [f for f in files if f not in done]
+    summary.skipped = len(files) - len(todo)
+    t0 = time.perf_counter()
+    if not todo and not remote:
+        return summary
+    ray = _init_ray(address, replicas)
+    try:
+        parts = []
+        if todo:
+            parts.append(ray.data.from_items([{"file": f} for f in todo]).map(_read_local))
+        if remote:
+            parts.append(ray.data.read_binary_files(remote, include_paths=True).map(_rename_path))
+        if not parts:
+            summary.elapsed_s = time.perf_counter() - t0
+            return summary
+        ds = parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+        import torch
+
+        gpus = 1 if torch.cuda.is_available() else 0
+        ds = ds.map(Prepare, fn_constructor_args=(model_dir,), concurrency=1)
+        ds = ds.map_batches(
+            Caption,
+            fn_constructor_args=(model, prompt, max_tokens),
+            batch_size=batch_size,
+            concurrency=replicas,
+            num_gpus=gpus,
+            batch_format="numpy",
+        )
+        if out.suffix == ".parquet":
+            ds.map(_flat).write_parquet(str(out))
+            summary.captioned = summary.total - summary.skipped
+        else:
+            writer = _Writer(out)
+            try:
+                for row in ds.iter_rows():
+                    rec = json.loads(row["record"])
+                    writer.write(rec)
+                    if "error" in rec:
+                        summary.errors += 1
+                    else:
+                        summary.captioned += 1
+            finally:
+                writer.close()
+    finally:
+        ray.shutdown()
+    summary.elapsed_s = time.perf_counter() - t0
+    return summary
+
+
+def _read_local(row: dict[str, Any]) -> dict[str, Any]:
+    path = Path(row["file"])
+    try:
+        data = path.read_bytes()
+    except OSError:
+        data = b""
+    return {"file": row["file"], "bytes": data}
+
+
+def _rename_path(row: dict[str, Any]) -> dict[str, Any]:
+    return {"file": row["path"], "bytes": row["bytes"]}
+
+
+def _flat(row: dict[str, Any]) -> dict[str, Any]:
+    """A record as Parquet columns (the error as JSON text, null when captioned)."""
+    rec = json.loads(row["record"])
+    error = rec.get("error")
+    return {
+        "file": rec["file"],
+        "content_hash": rec.get("content_hash"),
+        "caption": rec.get("caption"),
+        "error": json.dumps(error) if error is not None else None,
+        "model": rec["model"],
+        "prompt": rec["prompt"],
+        "max_tokens": rec["max_tokens"],
+        "elapsed_s": rec.get("elapsed_s"),
+    }
