@@ -59,14 +59,15 @@ class Prepare:
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
         from media import Image, PieMediaError, content_hash
 
-        data, out = row["bytes"], {"file": row["file"], "prepared": None, "error": None, "content_hash": None}
+        # The error travels as JSON text ("" = none): Arrow would turn dicts into structs of nulls.
+        data, out = row["bytes"], {"file": row["file"], "prepared": None, "error": "", "content_hash": ""}
         try:
             image = Image.from_bytes(data)
             out["content_hash"] = image.content_hash
             out["prepared"] = self.encoder.prepare(image)
         except PieMediaError as e:
             out["content_hash"] = out["content_hash"] or content_hash(data)
-            out["error"] = e.to_dict()
+            out["error"] = json.dumps(e.to_dict())
         return out
 
 
@@ -86,9 +87,10 @@ class Caption:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         from engine import caption_async, run_sync
 
-        async def one(file: str, h: str | None, prepared: Any, error: Any) -> dict[str, Any]:
-            if error is not None:
-                return make_record(file, self.settings, content_hash=h, error=error)
+        async def one(file: str, h: str, prepared: Any, error: str) -> dict[str, Any]:
+            file, h = str(file), str(h) or None
+            if error:
+                return make_record(file, self.settings, content_hash=h, error=json.loads(str(error)))
             t0 = time.perf_counter()
             try:
                 text = await caption_async(

@@ -86,14 +86,15 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     )
     local = LocalMediaPolicy(settings.allowed_local_media_path, max_bytes=limits.max_bytes)
     jobs = JobStore(settings.state_dir / "jobs.sqlite3")
+    resolver = MediaResolver(store, fetcher, local, limits)
     service = Service(
         settings=settings,
         models=registry,
         store=store,
-        media=MediaResolver(store, fetcher, local, limits),
+        media=resolver,
         metrics=ServiceMetrics(registry),
         jobs=jobs,
-        job_runner=JobRunner(jobs, store, registry, limits),
+        job_runner=JobRunner(jobs, store, registry, resolver),
         files=FileStore(settings.state_dir),
     )
     service.job_runner.batch_line = functools.partial(batches.run_line, service)

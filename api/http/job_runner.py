@@ -12,21 +12,27 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from api.http.jobs_store import JobRecord, JobStore
+from api.http.media_refs import MediaResolver
 from api.http.registry import ModelRegistry
 from api.http.store import MediaStore
 from api.jobs import error_dict, make_record
 from engine import caption_async
-from media import Image, MediaLimits, PieMediaError
+from media import PieMediaError
 
 log = logging.getLogger("pie_media.jobs")
 
 
 class JobRunner:
-    def __init__(self, jobs: JobStore, media: MediaStore, models: ModelRegistry, limits: MediaLimits):
+    def __init__(self, jobs: JobStore, media: MediaStore, models: ModelRegistry, resolver: MediaResolver):
         self.jobs = jobs
         self.media = media
         self.models = models
-        self.limits = limits
+        self.resolver = (
+            resolver  # decodes through its cache: an upload decoded at submission is not decoded again
+        )
+        self.version = 0
+        """Bumped whenever an item or a job finishes (result streams wait on it)."""
+        self._changed = asyncio.Event()
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancelled: set[str] = set()
         # Set by the Batch API: run one batch line; write the output files at the end.
@@ -52,9 +58,25 @@ class JobRunner:
     async def cancel(self, job_id: str) -> None:
         self._cancelled.add(job_id)
         await asyncio.to_thread(self.jobs.set_status, job_id, "cancelled")
+        await self._notify()
         task = self._tasks.get(job_id)
         if task is not None:
             task.cancel()
+
+    async def _notify(self) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for_change(self, seen: int, timeout: float) -> None:
+        """Return once ``version`` has moved past ``seen`` (at once if it already has), or
+        after ``timeout`` seconds (a safety net, not a poll rate)."""
+        if self.version != seen:
+            return
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            pass
 
     async def shutdown(self) -> None:
         tasks = list(self._tasks.values())
@@ -90,11 +112,13 @@ class JobRunner:
                     record = {"index": idx, **await self._caption(model, job, name, media_id, settings)}
                     failed = "error" in record
                 await asyncio.to_thread(self.jobs.finish_item, job_id, idx, record, failed=failed)
+                await self._notify()
 
         await asyncio.gather(*(one(*item) for item in pending))
         if job.kind == "batch" and self.on_batch_done is not None:
             await self.on_batch_done(job_id)
         await asyncio.to_thread(self.jobs.set_status, job_id, "completed")
+        await self._notify()
 
     async def _caption(
         self, model: Any, job: JobRecord, name: str, media_id: str | None, settings: dict[str, Any]
@@ -103,7 +127,7 @@ class JobRunner:
         h = None
         try:
             raw = await asyncio.to_thread(self.media.read_bytes, media_id)
-            image = await asyncio.to_thread(Image.from_bytes, raw, self.limits)
+            image = await self.resolver.decode(raw, "image")
             h = image.content_hash
             text = await caption_async(model, image, prompt=job.prompt, max_tokens=job.max_tokens)
         except asyncio.CancelledError:

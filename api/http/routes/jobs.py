@@ -22,12 +22,12 @@ from api.http.jobs_store import JobRecord
 from api.http.uploads import receive_multipart
 from api.jobs import error_dict, expand_paths, make_record
 from engine.caption import DEFAULT_PROMPT
-from media import InvalidRequestError, PieMediaError, open_media
+from media import InvalidRequestError, PieMediaError
 
 router = APIRouter(tags=["jobs"])
 
 MAX_JOB_ITEMS = 100_000
-POLL_S = 0.1
+WAKE_S = 1.0
 
 
 class CaptionJobRequest(BaseModel):
@@ -96,7 +96,7 @@ async def _ingest(
 ) -> tuple[str, str | None, dict[str, Any] | None]:
     """(name, media id, None), or (name, None, error record) for bytes that are no image."""
     try:
-        image = await asyncio.to_thread(open_media, data, service.media.limits, "image")
+        image = await service.media.decode(data, "image")
     except PieMediaError as e:
         return name, None, e.to_dict()
     if spool is None:
@@ -259,6 +259,7 @@ async def job_results(
         seen = 0
         deadline = time.monotonic() + timeout
         while True:
+            version = service.job_runner.version
             job = await asyncio.to_thread(service.jobs.get, job_id)
             rows = await asyncio.to_thread(lambda after=seen: list(service.jobs.results(job_id, after)))
             for seq, record in rows:
@@ -268,6 +269,6 @@ async def job_results(
                 if rows:
                     continue  # drain what finished between the two reads
                 return
-            await asyncio.sleep(POLL_S)
+            await service.job_runner.wait_for_change(version, WAKE_S)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
