@@ -255,6 +255,19 @@ async def _whole(
     )
 
 
+def chunk_head(cid: str, created: int, model: str) -> str:
+    """The fixed start of a stream's chunks, up to the choice index."""
+    ident, name = json.dumps(cid), json.dumps(model)
+    return f'data: {{"id":{ident},"object":"chat.completion.chunk","created":{created},"model":{name},"choices":[{{"index":'
+
+
+def token_chunk(head: str, index: int, text: str) -> str:
+    """A plain token's SSE event, formatted directly: the hot path of streaming, the same
+    bytes as ``ChatCompletionChunk(...).model_dump_json(exclude_none=True)`` (tested) for
+    a fraction of building the models per token."""
+    return f'{head}{index},"delta":{{"content":{json.dumps(text, ensure_ascii=False)}}}}}]}}\n\n'
+
+
 async def _sse(
     completion: Completion,
     body: ChatCompletionRequest,
@@ -271,12 +284,16 @@ async def _sse(
         c = ChatCompletionChunk(id=cid, created=created, model=name, choices=choices, usage=usage)
         return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
+    head = chunk_head(cid, created, name)
     timing = _Timing(service, name, started)
     try:
         for i in range(completion.params.n):
             yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
         async for ev in completion:
             timing.token(ev.index)
+            if ev.text and not ev.finish_reason and not body.logprobs:
+                yield token_chunk(head, ev.index, ev.text)
+                continue
             lp = ChoiceLogprobs(content=[_logprobs(service, completion.model, ev)]) if body.logprobs else None
             if ev.text or ev.finish_reason or lp is not None:
                 yield chunk(

@@ -47,3 +47,18 @@ def test_budget_evicts_least_recent(samples: Path) -> None:
     big = DecodedMediaCache(byte_budget=img.nbytes - 1)
     big.put(("image", "x"), img)
     assert big.get(("image", "x")) is None
+
+
+def test_fast_token_chunk_equals_the_pydantic_one() -> None:
+    from api.http.routes.chat import chunk_head, token_chunk
+    from api.http.schemas import ChatCompletionChunk, ChunkChoice, Delta
+
+    head = chunk_head("chatcmpl-1", 17, 'tiny "model"')
+    for index, text in [(0, "hi"), (3, 'quote " backslash \\ newline \n'), (1, "日本語 ✓"), (0, "\u2028")]:
+        chunk = ChatCompletionChunk(
+            id="chatcmpl-1",
+            created=17,
+            model='tiny "model"',
+            choices=[ChunkChoice(index=index, delta=Delta(content=text))],
+        )
+        assert token_chunk(head, index, text) == f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
