@@ -19,6 +19,7 @@ from engine.checkpoint import (
 )
 from engine.completion import ChoiceEvent, ChoiceResult, Completion, CompletionParams, Turn, complete
 from engine.context import Context, Distribution, Generation, TokenEvent
+from engine.embeddings import POOLINGS, embed_async, embed_counted_async, embed_many_async
 from engine.errors import (
     AttentionBackendUnavailableError,
     CheckpointShapeError,
@@ -39,6 +40,10 @@ from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
+    "POOLINGS",
+    "embed_async",
+    "embed_counted_async",
+    "embed_many_async",
     "ChoiceEvent",
     "ChoiceResult",
     "Completion",

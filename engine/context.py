@@ -236,6 +236,16 @@ class Context:
         with self._guard():
             return await self._prefill("all" if return_logits else "hidden")
 
+    async def hidden_states(self) -> torch.Tensor:
+        """Prefill every pending row and return their final hidden states ((rows, hidden)
+        float32, after the model's final norm): what embeddings pool. Every pending row is
+        computed (no prefix-cache reuse), as with ``flush(return_logits=True)``."""
+        self._check_open()
+        with self._guard():
+            out = await self._prefill("states")
+        assert out is not None
+        return out
+
     async def decode_step_dist(
         self, sampler: sampling.Sampler | None = None, *, top_n: int | None = None
     ) -> Distribution:
@@ -571,30 +581,33 @@ class Context:
         every row)."""
         total = len(self._rows)
         collected: list[torch.Tensor] = []
+        every = want in ("all", "states")  # every row computed and returned: no prefix-cache reuse
         while self._n < total:
             self._check_open()  # closed while the previous chunk ran
-            if want != "all":
+            if not every:
                 # Published pages matching pending rows (the prefix cache); the last row is
                 # always computed (its output is what this prefill is for).
                 self._n = self._table.reuse(self._rows, self._n, limit=total - 1)
             start = self._n
             end = self._chunk_end(start, total)
-            step = self._build_step(
-                start, end, want if end == total else ("all" if want == "all" else "none")
-            )
+            step = self._build_step(start, end, want if end == total or every else "none")
             result = await self.model.scheduler.submit(step)
             self._n = end
             self._table.publish(self._rows, end)
-            if want == "all" and result is not None:
+            if every and result is not None:
                 collected.append(result)
             if end == total:
-                if want == "hidden":
+                if want == "states":
+                    self._last_logits, self._last_hidden = None, result[-1]
+                elif want == "hidden":
                     self._last_logits, self._last_hidden = None, result
                 else:
                     self._last_logits = result[-1] if want == "all" else result
                     self._last_hidden = None
         if want == "all":
             return torch.cat(collected) if collected else torch.empty(0, self.model.arch.vocab_size)
+        if want == "states":
+            return torch.cat(collected) if collected else torch.empty(0, self.model.arch.hidden_size)
         return None
 
     def _chunk_end(self, start: int, total: int) -> int:

@@ -24,7 +24,9 @@ from engine.kv_pool import KVPool
 if TYPE_CHECKING:
     from encoders import Encoded, Prepared
 
-LogitsWanted = Literal["none", "last", "all", "hidden"]
+LogitsWanted = Literal["none", "last", "all", "hidden", "states"]
+"""What a step wants back: nothing, the last row's logits, every row's logits, the last
+row's final hidden state, or every row's final hidden states ("states", for embeddings)."""
 """What a step gets back: nothing, the last row's logits, every row's logits, or the last
 row's final hidden state (for a caller that may apply the LM head later, or never)."""
 Encode = Callable[[list["Prepared"]], list["Encoded"]]
@@ -154,7 +156,11 @@ class ForwardRunner:
             if want_rows:
                 logits = self.arch.logits(hidden[torch.cat(want_rows).to(dev)]).float()
             last_hidden = [
-                hidden[seq.q_start + seq.q_len - 1].clone() if step.logits == "hidden" else None
+                hidden[seq.q_start + seq.q_len - 1].clone()
+                if step.logits == "hidden"
+                else hidden[seq.q_start : seq.q_start + seq.q_len].clone()
+                if step.logits == "states"
+                else None
                 for step, seq in zip(steps, seqs, strict=True)
             ]
         self.passes += 1
@@ -165,7 +171,7 @@ class ForwardRunner:
         for step, h in zip(steps, last_hidden, strict=True):
             if step.logits == "none":
                 out.append(None)
-            elif step.logits == "hidden":
+            elif step.logits in ("hidden", "states"):
                 out.append(h)
             elif step.logits == "last":
                 assert logits is not None

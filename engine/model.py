@@ -230,6 +230,23 @@ class Model:
                     self._encoder = encoder_for(self.path, cache=cache, **self.arch.encoder_kwargs())
         return self._encoder
 
+    def embed(self, content: Any, *, pooling: str = "last", normalize: bool = True) -> torch.Tensor:
+        """Blocking: the embedding of text and/or media ``content`` (``engine.embeddings``);
+        await ``engine.embed_async`` inside an event loop."""
+        from engine.embeddings import embed_async
+        from engine.sync import run_sync
+
+        return run_sync(embed_async(self, content, pooling=pooling, normalize=normalize))
+
+    def embed_many(
+        self, contents: Sequence[Any], *, pooling: str = "last", normalize: bool = True
+    ) -> torch.Tensor:
+        """Blocking: (n, hidden) embeddings of several contents, computed together."""
+        from engine.embeddings import embed_many_async
+        from engine.sync import run_sync
+
+        return run_sync(embed_many_async(self, contents, pooling=pooling, normalize=normalize))
+
     def prepare(self, media: Any, **params: Any) -> Prepared:
         from encoders import Prepared
 

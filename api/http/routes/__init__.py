@@ -1,7 +1,7 @@
 """One router per resource. ``ROUTERS`` are served under the API-key check; ``health``
 (health, ready, metrics) is served without it."""
 
-from api.http.routes import batches, captions, chat, files, jobs, media, models, speech
+from api.http.routes import batches, captions, chat, embeddings, files, jobs, media, models, speech
 
 ROUTERS = [
     models.router,
@@ -12,4 +12,5 @@ ROUTERS = [
     jobs.router,
     files.router,
     batches.router,
+    embeddings.router,
 ]
