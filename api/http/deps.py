@@ -16,6 +16,7 @@ from api.http.registry import ModelRegistry
 from api.http.schemas import ErrorResponse
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
+from api.http.uploads import ReceivedForm, receive_multipart
 
 _STATUS_TEXT = {
     400: "Invalid request (bad parameters, corrupt or empty media, too many media items)",
@@ -48,3 +49,28 @@ class Service:
 
 def get_service(request: Request) -> Service:
     return request.app.state.service
+
+
+def multipart_body(**fields: str) -> dict[str, Any]:
+    """OpenAPI for a multipart body of repeatable ``file`` parts plus text ``fields``
+    (name -> JSON type): the routes read the stream themselves, so FastAPI cannot infer it."""
+    properties: dict[str, Any] = {"file": {"type": "array", "items": {"type": "string", "format": "binary"}}}
+    properties.update({name: {"type": kind} for name, kind in fields.items()})
+    return {
+        "requestBody": {
+            "content": {"multipart/form-data": {"schema": {"type": "object", "properties": properties}}},
+            "required": True,
+        }
+    }
+
+
+async def receive_upload(request: Request, service: Service) -> ReceivedForm:
+    """A request's multipart body spooled under the store, within the upload caps."""
+    s = service.settings
+    return await receive_multipart(
+        request,
+        service.store.spool_dir,
+        max_file_bytes=s.max_upload_bytes,
+        max_total_bytes=s.max_upload_bytes * s.max_upload_files,
+        max_files=s.max_upload_files,
+    )

@@ -8,10 +8,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from api.http.deps import Service, get_service
+from api.http.deps import Service, get_service, multipart_body, receive_upload
 from api.http.disconnect import cancel_on_disconnect
 from api.http.schemas import CaptionResponse, CaptionResult, Usage
-from api.http.uploads import receive_multipart
 from engine import Completion, CompletionParams, InvalidRequestError, Turn
 from engine.caption import DEFAULT_PROMPT
 from media import PieMediaError, open_media
@@ -36,40 +35,16 @@ def _int_field(fields: dict[str, str], name: str, default: int, limit: int) -> i
     "/v1/captions",
     response_model=CaptionResponse,
     responses=Service.error_responses(400, 401, 404, 413, 429),
-    openapi_extra={
-        "requestBody": {
-            "content": {
-                "multipart/form-data": {
-                    "schema": {
-                        "type": "object",
-                        "properties": {
-                            "file": {"type": "array", "items": {"type": "string", "format": "binary"}},
-                            "model": {"type": "string"},
-                            "prompt": {"type": "string"},
-                            "max_tokens": {"type": "integer"},
-                        },
-                    }
-                }
-            },
-            "required": True,
-        }
-    },
+    openapi_extra=multipart_body(model="string", prompt="string", max_tokens="integer"),
 )
 async def captions(request: Request, service: Service = Depends(get_service)) -> CaptionResponse:
-    s = service.settings
-    form = await receive_multipart(
-        request,
-        service.store.spool_dir,
-        max_file_bytes=s.max_upload_bytes,
-        max_total_bytes=s.max_upload_bytes * s.max_upload_files,
-        max_files=s.max_upload_files,
-    )
+    form = await receive_upload(request, service)
     try:
         chat = service.models.of_kind("chat")
         name = form.fields.get("model") or (chat[0].name if chat else "")
         served = service.models.get(name, kind="chat")
         prompt = form.fields.get("prompt") or DEFAULT_PROMPT
-        max_tokens = _int_field(form.fields, "max_tokens", 64, s.max_tokens_limit)
+        max_tokens = _int_field(form.fields, "max_tokens", 64, service.settings.max_tokens_limit)
         with served.admit():
             return await cancel_on_disconnect(
                 request, _caption_all(service, served, form.files, prompt, max_tokens)

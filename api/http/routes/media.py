@@ -13,10 +13,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from api.http.deps import Service, get_service
+from api.http.deps import Service, get_service, multipart_body, receive_upload
 from api.http.errors import ServiceError, error_body, status_for
 from api.http.schemas import MediaDeleted, MediaObject, MediaUploadResponse, MediaUploadResult
-from api.http.uploads import receive_multipart
 from encoders import UnsupportedMediaKindError
 from media import PieMediaError, open_media
 
@@ -73,31 +72,10 @@ async def ingest(service: Service, spooled: Any) -> MediaObject:
     "/v1/media",
     response_model=MediaUploadResponse,
     responses=Service.error_responses(400, 401, 413, 415),
-    openapi_extra={
-        "requestBody": {
-            "content": {
-                "multipart/form-data": {
-                    "schema": {
-                        "type": "object",
-                        "properties": {
-                            "file": {"type": "array", "items": {"type": "string", "format": "binary"}}
-                        },
-                    }
-                }
-            },
-            "required": True,
-        }
-    },
+    openapi_extra=multipart_body(),
 )
 async def upload_media(request: Request, service: Service = Depends(get_service)):
-    s = service.settings
-    form = await receive_multipart(
-        request,
-        service.store.spool_dir,
-        max_file_bytes=s.max_upload_bytes,
-        max_total_bytes=s.max_upload_bytes * s.max_upload_files,
-        max_files=s.max_upload_files,
-    )
+    form = await receive_upload(request, service)
     results: list[MediaUploadResult] = []
     first_error: PieMediaError | None = None
     try:
