@@ -5,6 +5,7 @@ Knows nothing about HTTP or WASM. Import what you need from here::
     from engine import Model, Context, Sampler, max_tokens, eos
 """
 
+from engine.beam import Hypothesis, beam_search
 from engine.caption import caption, caption_async, caption_many, caption_many_async
 from engine.checkpoint import (
     architecture_name,
@@ -40,6 +41,8 @@ from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
+    "Hypothesis",
+    "beam_search",
     "POOLINGS",
     "embed_async",
     "embed_counted_async",

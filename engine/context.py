@@ -236,6 +236,23 @@ class Context:
         with self._guard():
             return await self._prefill("all" if return_logits else "hidden")
 
+    async def beam_search(
+        self,
+        width: int,
+        max_tokens: int,
+        *,
+        length_penalty: float = 1.0,
+        eos: Iterable[int] | None = None,
+        num_return: int = 1,
+    ) -> list[Any]:
+        """Beam search continuing this context (left unchanged): ``engine.beam.Hypothesis``
+        values, best first; beams are forks sharing pages (see ``engine.beam``)."""
+        from engine.beam import beam_search
+
+        return await beam_search(
+            self, width, max_tokens, length_penalty=length_penalty, eos=eos, num_return=num_return
+        )
+
     async def hidden_states(self) -> torch.Tensor:
         """Prefill every pending row and return their final hidden states ((rows, hidden)
         float32, after the model's final norm): what embeddings pool. Every pending row is

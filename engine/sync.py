@@ -94,6 +94,10 @@ class SyncContext:
     def next_token_logits(self) -> torch.Tensor:
         return run_sync(self.ctx.next_token_logits())
 
+    def beam_search(self, width: int, max_tokens: int, **kwargs: Any) -> list[Any]:
+        """Blocking ``Context.beam_search``."""
+        return run_sync(self.ctx.beam_search(width, max_tokens, **kwargs))
+
     def generate(
         self,
         sampler: sampling.Sampler | None = None,
