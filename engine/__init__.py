@@ -35,12 +35,15 @@ from engine.errors import (
     UnsupportedArchitectureError,
 )
 from engine.kv_pool import KVPool, PoolStats
+from engine.metrics import Histogram, MetricsSnapshot
 from engine.model import Model
 from engine.sampling import Sampler, generator
 from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens, stop_strings
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
+    "Histogram",
+    "MetricsSnapshot",
     "Hypothesis",
     "beam_search",
     "POOLINGS",

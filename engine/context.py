@@ -22,6 +22,7 @@ anyone's history.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
@@ -320,6 +321,8 @@ class Context:
         cond = self._stop_condition(stop, max_tokens)
         tracker = cond.start()
         generated: list[int] = []
+        counters = self.model.counters
+        started = last = time.perf_counter()
         emitted = ""
         with self._guard():
             await self._ensure_logits()
@@ -345,9 +348,16 @@ class Context:
             if reason is not None or not visible.endswith("\ufffd"):
                 delta = visible[len(emitted) :] if visible.startswith(emitted) else visible
                 emitted = visible
+            now = time.perf_counter()
+            (counters.itl if generated[1:] else counters.ttft).observe(
+                now - (last if generated[1:] else started)
+            )
+            last = now
+            counters.generated_tokens += 1
             yield TokenEvent(token=token, text=delta, done=reason, logprob=lp, top_logprobs=top)
             if reason is not None:
                 return
+            counters.fed_back_tokens += 1
             with self._guard():
                 await self._prefill("last")
 

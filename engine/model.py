@@ -38,6 +38,7 @@ from engine.checkpoint import (
 from engine.errors import InvalidRequestError
 from engine.forward import ForwardRunner
 from engine.kv_pool import KVPool, PoolStats, bytes_per_page
+from engine.metrics import EngineCounters, MetricsSnapshot
 from engine.saved import SavedContexts
 from engine.scheduler import Scheduler
 
@@ -95,6 +96,7 @@ class Model:
         self._encoder_lock = threading.Lock()
         self.saved = SavedContexts()
         self.live_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self.counters = EngineCounters()
         """Every context built on this model and not yet collected (``open_contexts`` counts the open ones)."""
         """Contexts saved by name (``Context.save``), pinned with their pages."""
 
@@ -208,6 +210,31 @@ class Model:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # -- media ------------------------------------------------------------------------------
+    def metrics(self) -> MetricsSnapshot:
+        """A snapshot of the engine's counters: tokens, passes and batch sizes, KV pages,
+        encoder cache, open contexts, time-to-first-token and inter-token histograms."""
+        pool = self.pool_stats()
+        cache = self.encoder_cache_stats
+        sched = self.scheduler.stats
+        c = self.counters
+        return MetricsSnapshot(
+            prompt_tokens=max(0, self.runner.rows_computed - c.fed_back_tokens),
+            generated_tokens=c.generated_tokens,
+            passes=sched.passes,
+            steps=sched.steps,
+            max_steps_in_pass=sched.max_steps_in_pass,
+            rows_computed=self.runner.rows_computed,
+            pages_used=pool.in_use,
+            pages_shared=pool.shared,
+            pages_cached=pool.cached,
+            pages_free=pool.free,
+            encoder_cache_hits=cache.hits if cache else 0,
+            encoder_cache_misses=cache.misses if cache else 0,
+            open_contexts=self.open_contexts,
+            ttft=c.ttft.to_dict(),
+            itl=c.itl.to_dict(),
+        )
+
     @property
     def open_contexts(self) -> int:
         """Contexts of this model that are open (not closed, not collected)."""

@@ -104,5 +104,9 @@ class Scheduler:
                 for (_, f), r in zip(batch, results, strict=True):
                     if not f.done():
                         f.set_result(r)
+                # Let the steps just answered run to their next submission before the next
+                # cut: without this, streams that are out of phase by one pass ping-pong
+                # (each pass serving one of them) instead of sharing passes.
+                await asyncio.sleep(0)
         finally:
             self._serving.discard(loop)

@@ -1,0 +1,76 @@
+"""Engine metrics cheap enough to leave on: plain counters and fixed-bucket histograms
+updated where the work happens (no locks beyond the GIL; a snapshot reads them)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Histogram:
+    """Counts per upper bound (the last slot is everything above the last bound)."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding quantile ``q`` (None before any observation)."""
+        if not self.n:
+            return None
+        need, seen = q * self.n, 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            seen += count
+            if seen >= need:
+                return bound
+        return float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total, "count": self.n}
+
+
+@dataclass
+class EngineCounters:
+    """Updated by contexts as they work (one instance per model)."""
+
+    generated_tokens: int = 0
+    fed_back_tokens: int = 0
+    """Generated tokens that went back through a forward pass (all but each generation's last)."""
+    ttft: Histogram = field(default_factory=Histogram)
+    """First token of a generation, measured from the stream's start (prefill included)."""
+    itl: Histogram = field(default_factory=Histogram)
+    """Between consecutive tokens of one generation."""
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    prompt_tokens: int
+    """Prompt rows the forward passes computed (prefix-cache hits are not computed)."""
+    generated_tokens: int
+    passes: int
+    steps: int
+    max_steps_in_pass: int
+    rows_computed: int
+    pages_used: int
+    pages_shared: int
+    pages_cached: int
+    pages_free: int
+    encoder_cache_hits: int
+    encoder_cache_misses: int
+    open_contexts: int
+    ttft: dict[str, Any]
+    itl: dict[str, Any]
+
+    @property
+    def mean_steps_per_pass(self) -> float:
+        return self.steps / self.passes if self.passes else 0.0
