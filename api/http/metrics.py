@@ -36,23 +36,34 @@ class _EngineCollector(Collector):
         cache = CounterMetricFamily(
             "pie_media_encoder_cache", "Encoder-cache lookups by result", labels=["model", "result"]
         )
+        passes = CounterMetricFamily("pie_media_engine_passes", "Batched forward passes", labels=["model"])
+        steps = CounterMetricFamily(
+            "pie_media_engine_steps", "Context steps served by those passes", labels=["model"]
+        )
+        engine_tokens = CounterMetricFamily(
+            "pie_media_engine_tokens", "Tokens the engine computed, by kind", labels=["model", "kind"]
+        )
         for served in self.models:
             in_flight.add_metric([served.name], served.in_flight)
             capacity.add_metric([served.name], served.max_concurrency)
             if served.kind != "chat":
                 continue
-            model = served.model
-            s = model.pool_stats()
-            pages.add_metric([served.name, "used"], s.in_use)
-            pages.add_metric([served.name, "shared"], s.shared)
-            pages.add_metric([served.name, "cached"], s.cached)
-            pages.add_metric([served.name, "free"], s.free)
-            contexts.add_metric([served.name], model.open_contexts)
-            stats = model.encoder_cache_stats
-            if stats is not None:
-                cache.add_metric([served.name, "hit"], stats.hits)
-                cache.add_metric([served.name, "miss"], stats.misses)
-        yield from (in_flight, capacity, pages, contexts, cache)
+            m = served.model.metrics()  # the engine's own snapshot (engine/metrics.py)
+            for state, value in (
+                ("used", m.pages_used),
+                ("shared", m.pages_shared),
+                ("cached", m.pages_cached),
+                ("free", m.pages_free),
+            ):
+                pages.add_metric([served.name, state], value)
+            contexts.add_metric([served.name], m.open_contexts)
+            cache.add_metric([served.name, "hit"], m.encoder_cache_hits)
+            cache.add_metric([served.name, "miss"], m.encoder_cache_misses)
+            passes.add_metric([served.name], m.passes)
+            steps.add_metric([served.name], m.steps)
+            engine_tokens.add_metric([served.name, "prompt"], m.prompt_tokens)
+            engine_tokens.add_metric([served.name, "generated"], m.generated_tokens)
+        yield from (in_flight, capacity, pages, contexts, cache, passes, steps, engine_tokens)
 
 
 class ServiceMetrics:

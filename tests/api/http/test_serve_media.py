@@ -193,6 +193,8 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
         "pie_media_inter_token_latency_seconds_bucket",
         "pie_media_errors_total",
         "pie_media_requests_in_flight",
+        "pie_media_engine_passes_total",
+        "pie_media_engine_tokens_total",
     ):
         assert name in text, name
 
