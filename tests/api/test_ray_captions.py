@@ -52,3 +52,20 @@ def test_ray_pipeline_equals_single_process_job(tmp_path: Path, samples: Path) -
     again = caption_with_ray([str(src)], ray_out, model="tiny", max_tokens=8, replicas=1)
     assert (again.skipped, again.captioned) == (8, 0)  # resume: nothing runs twice
     assert len(ray_out.read_text().splitlines()) == 8
+
+    # Parquet: the same records as columns (the error as JSON text).
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(_parquet(caption_with_ray, src, tmp_path)).to_pylist()
+    by_file = {row["file"]: row for row in table}
+    assert set(by_file) == set(want)
+    for name, rec in want.items():
+        row = by_file[name]
+        assert row["caption"] == rec.get("caption")
+        assert (json.loads(row["error"]) if row["error"] else None) == rec.get("error")
+
+
+def _parquet(caption_with_ray, src: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "ray.parquet"
+    caption_with_ray([str(src)], out, model="tiny", max_tokens=8, replicas=1)
+    return out
