@@ -29,9 +29,12 @@ from engine.errors import (
     InvalidRequestError,
     MissingCheckpointFileError,
     ModelLoadError,
+    NotASnapshotError,
     OutOfPagesError,
     SavedContextExistsError,
     SavedContextNotFoundError,
+    SnapshotCorruptError,
+    SnapshotModelMismatchError,
     UnsupportedArchitectureError,
 )
 from engine.kv_pool import KVPool, PoolStats
@@ -42,6 +45,9 @@ from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
+    "NotASnapshotError",
+    "SnapshotCorruptError",
+    "SnapshotModelMismatchError",
     "Histogram",
     "MetricsSnapshot",
     "Hypothesis",

@@ -254,6 +254,22 @@ class Context:
             self, width, max_tokens, length_penalty=length_penalty, eos=eos, num_return=num_return
         )
 
+    def snapshot(self) -> bytes:
+        """Portable bytes of this context (rows, media spans, chat, sampling state, model
+        fingerprint; not the KV pages): ``Context.resume(model, data)`` rebuilds it."""
+        from engine.snapshot import snapshot
+
+        self._check_open()
+        return snapshot(self)
+
+    @classmethod
+    def resume(cls, model: Model, data: bytes) -> Context:
+        """A context rebuilt from ``snapshot()`` bytes; its rows are pending (computed on the
+        next pass), so it continues greedy generation exactly as the original would."""
+        from engine.snapshot import resume
+
+        return resume(model, data)
+
     async def hidden_states(self) -> torch.Tensor:
         """Prefill every pending row and return their final hidden states ((rows, hidden)
         float32, after the model's final norm): what embeddings pool. Every pending row is

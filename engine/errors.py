@@ -69,3 +69,21 @@ class AttentionBackendUnavailableError(EngineError, InvalidRequestError):
     message says why (no CUDA device, an unsupported dtype, flashinfer not installed)."""
 
     code = "attention_backend_unavailable"
+
+
+class NotASnapshotError(EngineError, InvalidRequestError):
+    """The bytes given to ``Context.resume`` are not a context snapshot."""
+
+    code = "not_a_snapshot"
+
+
+class SnapshotCorruptError(EngineError, InvalidRequestError):
+    """A snapshot that is truncated, altered (checksum) or internally inconsistent."""
+
+    code = "snapshot_corrupt"
+
+
+class SnapshotModelMismatchError(EngineError, InvalidRequestError):
+    """A snapshot taken on another checkpoint (fingerprint mismatch)."""
+
+    code = "snapshot_model_mismatch"

@@ -1,0 +1,181 @@
+"""Portable context snapshots: ``Context.snapshot() -> bytes``, ``Context.resume(model, data)``.
+
+A snapshot holds what rebuilds the context's rows exactly: its text runs (token ids) and
+media spans (each span's ``Prepared``: ids, positions, the model inputs), plus the chat
+state, the sampling seed and generator state, and the model's fingerprint. KV pages are
+not stored: a resumed context recomputes them on its next pass (the prefix cache makes
+that free when the same prefix is still published), and then continues greedy
+generation exactly as the original would.
+
+Format (version 1), all little-endian, no pickle anywhere (snapshots may come from
+users): ``MAGIC | u32 version | u64 n | manifest JSON (n bytes) | u64 m | safetensors
+(m bytes) | SHA-256 of everything before``. A wrong magic is ``NotASnapshotError``; a bad
+checksum, truncation or an inconsistent manifest ``SnapshotCorruptError``; another
+model's snapshot ``SnapshotModelMismatchError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from engine.chat import ChatState
+from engine.errors import NotASnapshotError, SnapshotCorruptError, SnapshotModelMismatchError
+
+if TYPE_CHECKING:
+    from engine.context import Context
+    from engine.model import Model
+
+MAGIC = b"PIESNAP\x00"
+VERSION = 1
+_DIGEST = 32
+
+_PREPARED_FIELDS = (
+    "kind",
+    "family",
+    "input_ids",
+    "placeholder_id",
+    "token_count",
+    "grid",
+    "position_span",
+    "prefix_tokens",
+    "suffix_tokens",
+    "content_hash",
+    "cache_key",
+    "mm_token_type",
+    "timestamps",
+)
+
+
+def model_identity(model: Model) -> str:
+    from encoders import model_fingerprint
+
+    return model_fingerprint(model.path, model.config)
+
+
+def _segments(ctx: Context) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The rows as text runs and spans, in order."""
+    segments: list[dict[str, Any]] = []
+    spans: list[Any] = []
+    rows = ctx._rows
+    i = 0
+    while i < len(rows):
+        span = rows[i].span
+        if span is None:
+            run = []
+            while i < len(rows) and rows[i].span is None:
+                run.append(rows[i].token)
+                i += 1
+            segments.append({"text": run})
+        else:
+            segments.append({"span": len(spans)})
+            spans.append(span.prepared)
+            i += span.prepared.num_rows
+    return segments, spans
+
+
+def snapshot(ctx: Context) -> bytes:
+    segments, spans = _segments(ctx)
+    tensors: dict[str, torch.Tensor] = {}
+    prepared = []
+    for k, p in enumerate(spans):
+        fields = {name: getattr(p, name) for name in _PREPARED_FIELDS}
+        tensors[f"span{k}.positions"] = p.positions.contiguous().cpu()
+        for name, t in p.inputs.items():
+            tensors[f"span{k}.inputs.{name}"] = t.contiguous().cpu()
+        fields["inputs"] = sorted(p.inputs)
+        fields["meta"] = json.loads(json.dumps(p.meta, default=str))
+        prepared.append(fields)
+    generator = ctx._generator
+    if generator is not None:
+        tensors["generator"] = generator.get_state()
+    chat = ctx._chat
+    manifest = {
+        "model": model_identity(ctx.model),
+        "segments": segments,
+        "prepared": prepared,
+        "chat": {"messages": chat.messages, "open_turn": chat.open_turn, "turn_tokens": chat.turn_tokens},
+        "seed": ctx._seed,
+        "rows": len(ctx._rows),
+    }
+    head = json.dumps(manifest, separators=(",", ":")).encode()
+    blob = save_tensors(tensors) if tensors else b""
+    body = MAGIC + struct.pack("<IQ", VERSION, len(head)) + head + struct.pack("<Q", len(blob)) + blob
+    return body + hashlib.sha256(body).digest()
+
+
+def _parse(data: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise NotASnapshotError(f"a snapshot is bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if not data.startswith(MAGIC):
+        raise NotASnapshotError("these bytes are not a pie-media context snapshot (wrong magic)")
+    if len(data) < len(MAGIC) + 12 + 8 + _DIGEST:
+        raise SnapshotCorruptError(f"the snapshot is truncated ({len(data)} bytes)")
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        raise SnapshotCorruptError("the snapshot's checksum does not match: it was truncated or altered")
+    version, n = struct.unpack_from("<IQ", body, len(MAGIC))
+    if version != VERSION:
+        raise SnapshotCorruptError(f"snapshot format version {version}; this engine reads version {VERSION}")
+    at = len(MAGIC) + 12
+    try:
+        manifest = json.loads(body[at : at + n])
+        (m,) = struct.unpack_from("<Q", body, at + n)
+        blob = body[at + n + 8 : at + n + 8 + m]
+        tensors = load_tensors(blob) if m else {}
+    except (ValueError, struct.error, RuntimeError) as e:
+        raise SnapshotCorruptError(f"the snapshot cannot be read: {e}") from None
+    return manifest, tensors
+
+
+def resume(model: Model, data: bytes) -> Context:
+    from encoders import Prepared
+    from engine.context import Context
+
+    manifest, tensors = _parse(data)
+    if manifest.get("model") != model_identity(model):
+        raise SnapshotModelMismatchError(
+            "the snapshot was taken on another model (its fingerprint differs); resume it on the same checkpoint"
+        )
+    try:
+        spans = []
+        for k, fields in enumerate(manifest["prepared"]):
+            inputs = {name: tensors[f"span{k}.inputs.{name}"] for name in fields["inputs"]}
+            values = {name: fields[name] for name in _PREPARED_FIELDS}
+            for name in ("input_ids", "grid", "prefix_tokens", "suffix_tokens", "mm_token_type"):
+                values[name] = tuple(values[name])
+            if values["timestamps"] is not None:
+                values["timestamps"] = tuple(values["timestamps"])
+            spans.append(
+                Prepared(
+                    **values, positions=tensors[f"span{k}.positions"], inputs=inputs, meta=fields["meta"]
+                )
+            )
+        ctx = Context(model, seed=manifest["seed"])
+        for seg in manifest["segments"]:
+            if "text" in seg:
+                ctx._append_text([int(t) for t in seg["text"]])
+            else:
+                ctx._append_span(spans[seg["span"]])
+        chat = manifest["chat"]
+        ctx._chat = ChatState(
+            list(chat["messages"]), bool(chat["open_turn"]), [int(t) for t in chat["turn_tokens"]]
+        )
+        if "generator" in tensors:
+            ctx._generator = torch.Generator()
+            ctx._generator.set_state(tensors["generator"])
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise SnapshotCorruptError(f"the snapshot's manifest is inconsistent: {e}") from None
+    if len(ctx._rows) != manifest["rows"]:
+        ctx.close()
+        raise SnapshotCorruptError(
+            f"the snapshot rebuilds {len(ctx._rows)} rows, it recorded {manifest['rows']}"
+        )
+    return ctx
