@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6,<3" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench clean gpu-check
 
 setup: $(STAMP)
 
@@ -44,3 +44,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .cache
+
+# On the GPU machine: install carried wheels, CUDA tests, GPU bench (bench/gpu/check.sh).
+gpu-check:
+	@bash bench/gpu/check.sh $(OUT)

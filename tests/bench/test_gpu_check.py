@@ -1,0 +1,40 @@
+"""The GPU check's dry run reaches the point where it needs a GPU, and says so, here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "check.sh"
+
+
+def _run(tmp_path: Path, wheels: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GPU_WHEELS": str(wheels)}
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", str(tmp_path / "out")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_dry_run_stops_where_a_gpu_is_needed(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "flashinfer_python-0.0.0-py3-none-any.whl", "w") as z:
+        z.writestr("flashinfer/__init__.py", "")
+    done = _run(tmp_path, wheels)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tests/engine/test_cuda.py:" in done.stdout
+    assert "STOP: a CUDA GPU is needed" in done.stdout
+
+
+def test_dry_run_refuses_a_missing_wheels_folder(tmp_path):
+    done = _run(tmp_path, tmp_path / "nowhere")
+    assert done.returncode == 2
+    assert "fetch_wheels.sh" in done.stderr
