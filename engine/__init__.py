@@ -22,6 +22,8 @@ from engine.completion import ChoiceEvent, ChoiceResult, Completion, CompletionP
 from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.embeddings import POOLINGS, embed_async, embed_counted_async, embed_many_async
 from engine.errors import (
+    AdapterMismatchError,
+    AdapterNotFoundError,
     AttentionBackendUnavailableError,
     CheckpointShapeError,
     ContextClosedError,
@@ -38,6 +40,7 @@ from engine.errors import (
     UnsupportedArchitectureError,
 )
 from engine.kv_pool import KVPool, PoolStats
+from engine.lora import Adapter, AdapterStack
 from engine.metrics import Histogram, MetricsSnapshot
 from engine.model import Model
 from engine.sampling import Sampler, generator
@@ -48,6 +51,10 @@ __all__ = [
     "NotASnapshotError",
     "SnapshotCorruptError",
     "SnapshotModelMismatchError",
+    "AdapterMismatchError",
+    "AdapterNotFoundError",
+    "Adapter",
+    "AdapterStack",
     "Histogram",
     "MetricsSnapshot",
     "Hypothesis",

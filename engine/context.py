@@ -34,6 +34,7 @@ from engine import sampling, stopping
 from engine.chat import ChatState, chat_message, template_pieces
 from engine.errors import ContextClosedError, InvalidRequestError
 from engine.forward import LogitsWanted, MediaRows, StepInput
+from engine.lora import AdapterStack
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable
 from media import check_int
@@ -131,6 +132,8 @@ class Context:
         self._generator: torch.Generator | None = None
         self._busy = False
         self._closed = False
+        self.adapters = AdapterStack()
+        """LoRA adapters this context's rows run under (push/pop/clear)."""
 
     # -- facts ------------------------------------------------------------------------------
     @property
@@ -699,6 +702,7 @@ class Context:
             media=media,
             block_ids=block_ids,
             logits=want,
+            adapters=self.adapters.items,
         )
 
     def _media_rows(self, rows: list[Row]) -> list[MediaRows]:

@@ -87,3 +87,15 @@ class SnapshotModelMismatchError(EngineError, InvalidRequestError):
     """A snapshot taken on another checkpoint (fingerprint mismatch)."""
 
     code = "snapshot_model_mismatch"
+
+
+class AdapterNotFoundError(EngineError, InvalidRequestError):
+    """The adapter path is not a PEFT adapter directory."""
+
+    code = "adapter_not_found"
+
+
+class AdapterMismatchError(EngineError, InvalidRequestError):
+    """The adapter does not fit the model (architecture, module, shape) or is not LoRA."""
+
+    code = "adapter_mismatch"

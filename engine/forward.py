@@ -20,6 +20,7 @@ from engine.architectures import Architecture, TextInputs
 from engine.attention import AttentionBackend, BatchMeta, SeqMeta
 from engine.errors import InvalidRequestError
 from engine.kv_pool import KVPool
+from engine.lora import pass_adapters
 
 if TYPE_CHECKING:
     from encoders import Encoded, Prepared
@@ -55,6 +56,8 @@ class StepInput:
     block_ids: torch.Tensor | None = None
     """(len(tokens),) bidirectional block id per row (-1 none), or None."""
     logits: LogitsWanted = "last"
+    adapters: tuple = ()
+    """(Adapter, scale) pairs this step's rows run under (``engine.lora``)."""
 
 
 class ForwardRunner:
@@ -90,8 +93,12 @@ class ForwardRunner:
         media_rows: list[torch.Tensor] = []
         media: list[MediaRows] = []
         start = 0
+        lora_rows: dict[tuple[int, float], tuple[object, float, list[int]]] = {}
         for step in steps:
             n = len(step.tokens)
+            for adapter, scale in step.adapters:
+                entry = lora_rows.setdefault((id(adapter), scale), (adapter, scale, []))
+                entry[2].extend(range(start, start + n))
             if n == 0:
                 raise ValueError("a forward step must compute at least one row")
             need_pages = -(-(step.kv_start + n) // ps)
@@ -144,7 +151,11 @@ class ForwardRunner:
             block_overlay_layers=self.block_overlay_layers,
             backend=self.backend,
         )
-        with torch.inference_mode():
+        lora_table = [
+            (torch.tensor(rows, dtype=torch.long, device=dev), adapter, scale)
+            for adapter, scale, rows in lora_rows.values()
+        ]
+        with torch.inference_mode(), pass_adapters(lora_table):
             hidden = self.arch.hidden_states(inp, pie_batch=meta)
             want_rows: list[torch.Tensor] = []
             for step, seq in zip(steps, seqs, strict=True):

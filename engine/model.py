@@ -38,6 +38,7 @@ from engine.checkpoint import (
 from engine.errors import InvalidRequestError
 from engine.forward import ForwardRunner
 from engine.kv_pool import KVPool, PoolStats, bytes_per_page
+from engine.lora import Adapter, load_adapter
 from engine.metrics import EngineCounters, MetricsSnapshot
 from engine.saved import SavedContexts
 from engine.scheduler import Scheduler
@@ -273,6 +274,13 @@ class Model:
         from engine.sync import run_sync
 
         return run_sync(embed_many_async(self, contents, pooling=pooling, normalize=normalize))
+
+    def load_adapter(self, path: str | Path, name: str | None = None) -> Adapter:
+        """Load a PEFT LoRA adapter for this model's language model (typed errors if it
+        does not fit); push it on a context's ``adapters`` stack to use it."""
+        lm = self.arch.language_model
+        prefix = next(n for n, m in self.arch.hf.named_modules() if m is lm)
+        return load_adapter(self.arch.hf, prefix, path, name)
 
     def prepare(self, media: Any, **params: Any) -> Prepared:
         from encoders import Prepared
