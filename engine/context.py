@@ -390,6 +390,8 @@ class Context:
             raise InvalidRequestError("cannot fork a context while it runs a forward pass")
         child = Context(self.model, seed=self._seed)
         child._adopt_table(self._table.fork(self._n))
+        for adapter, scale in self.adapters.items:
+            child.adapters.push(adapter, scale)
         child._rows = list(self._rows)
         child._n = self._n
         child._cursor = self._cursor
@@ -630,6 +632,7 @@ class Context:
         every = want in ("all", "states")  # every row computed and returned: no prefix-cache reuse
         while self._n < total:
             self._check_open()  # closed while the previous chunk ran
+            self._table.salt = self.adapters.identity()
             if not every:
                 # Published pages matching pending rows (the prefix cache); the last row is
                 # always computed (its output is what this prefill is for).

@@ -43,6 +43,7 @@ def page_key(
     tokens: Sequence[int],
     media: Sequence[MediaRow | None],
     positions: Sequence[Sequence[int]],
+    salt: bytes = b"",
 ) -> PageKey:
     """Key of a full page whose rows are ``tokens``/``media``/``positions`` (one entry per
     row; ``positions[i]`` holds every position axis of row ``i``)."""
@@ -51,6 +52,8 @@ def page_key(
     h = hashlib.blake2b(digest_size=16)
     h.update(b"P" + (parent if parent is not None else b"\x00" * 16))
     h.update(struct.pack("<I", len(tokens)))
+    if salt:  # what else shaped the K/V (the LoRA adapter stack): never shared across it
+        h.update(b"A" + struct.pack("<I", len(salt)) + salt)
     for tok, m, pos in zip(tokens, media, positions, strict=True):
         h.update(struct.pack("<q", tok))
         h.update(struct.pack("<B", len(pos)))

@@ -47,9 +47,10 @@ class KeyedRow(Protocol):
     def media(self) -> MediaRow | None: ...
 
 
-def rows_key(parent: PageKey | None, rows: Sequence[KeyedRow]) -> PageKey:
-    """The key of a full page holding ``rows`` after the page keyed ``parent``."""
-    return page_key(parent, [r.token for r in rows], [r.media for r in rows], [r.pos for r in rows])
+def rows_key(parent: PageKey | None, rows: Sequence[KeyedRow], salt: bytes = b"") -> PageKey:
+    """The key of a full page holding ``rows`` after the page keyed ``parent`` (``salt``:
+    the adapter stack the rows are computed under)."""
+    return page_key(parent, [r.token for r in rows], [r.media for r in rows], [r.pos for r in rows], salt)
 
 
 class PageTable:
@@ -57,6 +58,8 @@ class PageTable:
 
     def __init__(self, pool: KVPool):
         self.pool = pool
+        self.salt = b""
+        """Identity of the LoRA adapter stack pages are computed under (part of each key)."""
         self._pages: list[int] = []
         self._keys: list[PageKey] = []
 
@@ -96,7 +99,7 @@ class PageTable:
         while n % ps == 0 and n + ps <= limit:
             if len(self._keys) != n // ps:
                 break
-            key = rows_key(self._keys[-1] if self._keys else None, rows[n : n + ps])
+            key = rows_key(self._keys[-1] if self._keys else None, rows[n : n + ps], self.salt)
             page = self.pool.lookup(key)
             if page is None:
                 break
@@ -115,7 +118,7 @@ class PageTable:
         (``rows`` holds at least those rows)."""
         ps = self.pool.page_size
         for idx in range(len(self._keys), committed // ps):
-            key = rows_key(self._keys[-1] if self._keys else None, rows[idx * ps : (idx + 1) * ps])
+            key = rows_key(self._keys[-1] if self._keys else None, rows[idx * ps : (idx + 1) * ps], self.salt)
             self._pages[idx] = self.pool.register(self._pages[idx], key)
             self._keys.append(key)
 

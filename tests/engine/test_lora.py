@@ -124,3 +124,37 @@ def test_adapter_that_does_not_fit(qwen, gemma, lora_dirs, tmp_path):
         qwen.load_adapter(tmp_path / "nothing")
     with pytest.raises(AdapterMismatchError):
         SyncContext(qwen).adapters.pop()
+
+
+LONG = "Once upon a time a small cat lived by the sea and watched the boats come and go. " * 3
+
+
+def test_prefix_cache_never_shares_pages_across_adapter_stacks(qwen, refs, lora_dirs):
+    """Pages published under an adapter are reused by the same stack only: a context with
+    no adapter (or another) recomputes them and gets its own model's logits."""
+    a, b = (qwen.load_adapter(d) for d in lora_dirs[TINY_QWEN])
+    runner = qwen.runner
+
+    def run(*stack):
+        ctx = SyncContext(qwen).user(LONG).cue()
+        for adapter in stack:
+            ctx.adapters.push(adapter)
+        before = runner.rows_computed
+        ctx.flush()
+        logits = ctx.next_token_logits().clone()
+        computed = runner.rows_computed - before
+        ids = ctx.token_ids
+        ctx.close()
+        return logits, computed, ids
+
+    first, n_first, ids = run(a)
+    assert n_first == len(ids)  # nothing published yet under this stack
+    again, n_again, _ = run(a)
+    assert n_again < len(ids) // 2  # same stack: the published pages are reused
+    assert_logits_close(again, first, "lora prefix reuse same adapter")
+    for stack, ref_model in (((), refs[TINY_QWEN]), ((b,), _merged(qwen.path, lora_dirs[TINY_QWEN][1]))):
+        logits, n, _ = run(*stack)
+        ref = reference_logits(ref_model, **_ref_inputs(TINY_QWEN, ids))[-1]
+        assert_logits_close(logits, ref, f"lora prefix other stack {len(stack)}")
+    both, n_both, _ = run(a, b)
+    assert n_both == len(ids)  # a stack that starts with a is still another stack
