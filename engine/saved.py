@@ -16,6 +16,7 @@ from engine.errors import InvalidRequestError, SavedContextExistsError, SavedCon
 
 if TYPE_CHECKING:
     from engine.context import Context
+    from engine.model import Model
 
 
 class SavedContexts:
@@ -40,6 +41,22 @@ class SavedContexts:
     def open(self, name: str) -> Context:
         """A new context forked from the one saved as ``name``."""
         return self._get(name).fork()
+
+    def export(self, name: str) -> bytes:
+        """The context saved as ``name`` as portable snapshot bytes (``engine.snapshot``'s
+        format), so a saved prefix can leave the process."""
+        return self._get(name).snapshot()
+
+    def import_(self, name: str, data: bytes, *, model: Model, overwrite: bool = False) -> None:
+        """Save, under ``name``, the context that ``export`` (or ``Context.snapshot``) bytes
+        describe, rebuilt on ``model`` (the typed snapshot errors apply)."""
+        from engine.context import Context
+
+        ctx = Context.resume(model, data)
+        try:
+            self.save(name, ctx, overwrite=overwrite)
+        finally:
+            ctx.close()
 
     def delete(self, name: str) -> None:
         """Unpin ``name`` (its pages go back to the pool unless others hold them)."""

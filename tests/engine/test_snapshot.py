@@ -71,3 +71,22 @@ def test_bad_snapshots_are_typed_errors(qwen, gemma) -> None:
         Context.resume(qwen, bytes(altered))
     with pytest.raises(SnapshotModelMismatchError):
         Context.resume(gemma, data)
+
+
+def test_saved_export_import_round_trip(qwen, gemma) -> None:
+    """``model.saved.export`` is a snapshot; ``import_`` saves the rebuilt context, which
+    opens and continues exactly as the exported one."""
+    ctx = SyncContext(qwen).user(Image.from_bytes(IMG_A), "Tell me about this.").cue()
+    qwen.saved.save("pic", ctx.ctx)
+    want = _continue(ctx)
+    ctx.close()
+    data = qwen.saved.export("pic")
+    qwen.saved.delete("pic")
+    qwen.saved.import_("pic2", data, model=qwen)
+    opened = SyncContext(qwen.saved.open("pic2"))
+    assert _continue(opened) == want
+    opened.close()
+    qwen.saved.delete("pic2")
+    with pytest.raises(SnapshotModelMismatchError):
+        gemma.saved.import_("x", data, model=gemma)
+    assert "x" not in gemma.saved
