@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python -m bench.lora [--model tiny-qwen3-vl] [--reps 20]``. Each rep
 prefills two fresh contexts (every row computed, no prefix-cache reuse) once together
 (``asyncio.gather``: one scheduler pass, per-row adapters) and once one after the other
-(two passes); prints the median times and their ratio, and decode steps likewise.
+(two passes); prints the median times, their ratio, and the same without adapters.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def _contexts(model: Model, adapters: list) -> list[Context]:
     ctxs = []
     for prompt, adapter in zip(PROMPTS, adapters, strict=True):
         ctx = Context(model).user(prompt).cue()
-        ctx.adapters.push(adapter)
+        if adapter is not None:
+            ctx.adapters.push(adapter)
         ctxs.append(ctx)
     return ctxs
 
@@ -67,11 +68,19 @@ def main(argv: list[str] | None = None) -> int:
             before = model.scheduler.stats.passes
             times[batched].append(asyncio.run(_one_rep(model, adapters, batched)))
             passes[batched] += model.scheduler.stats.passes - before
+    base = {
+        batched: statistics.median(
+            asyncio.run(_one_rep(model, [None, None], batched)) for _ in range(args.reps)
+        )
+        for batched in (True, False)
+    }
     one, two = statistics.median(times[True]), statistics.median(times[False])
     print(f"model {args.model}, 2 contexts x 2 adapters, prefill, {args.reps} reps (median)")
     print(f"  one batched pass : {one * 1e3:8.2f} ms  ({passes[True] / args.reps:.1f} passes/rep)")
     print(f"  separate passes  : {two * 1e3:8.2f} ms  ({passes[False] / args.reps:.1f} passes/rep)")
     print(f"  ratio separate/batched: {two / one:.2f}x")
+    print(f"  same without adapters: batched {base[True] * 1e3:.2f} ms, separate {base[False] * 1e3:.2f} ms")
+    print(f"  LoRA overhead (batched with / without adapters): {one / base[True]:.2f}x")
     return 0
 
 
