@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from api.inferlet_cmd import add_inferlet_parser, run_inferlet
 from api.serve_cmd import add_serve_parser, run_serve
 
 
@@ -72,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     bt.add_argument("--out", default=None, help="folder to build into (default: the fixture cache)")
 
     add_serve_parser(sub)
+    add_inferlet_parser(sub)
 
     samples = sub.add_parser("samples", help="generate the sample media set and print where it is")
     samples.add_argument("--bench", action="store_true", help="also build the large benchmark clips")
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError, PieMediaError) as e:  # unknown model, bad checkpoint, ...
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
+    if args.command == "inferlet":
+        return run_inferlet(args)
     if args.command == "speak":
         from api.speak_cmd import run_speak
 

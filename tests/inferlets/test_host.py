@@ -86,3 +86,16 @@ def test_hostile_guest_gets_typed_error_and_good_one_still_right(rt, wasm, model
 
     asyncio.run(main())
     assert model.pool.stats().in_use == in_use  # every page of both runs is back
+
+
+def test_cli_run_prints_sends_then_result(wasm, model) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "api.cli", "inferlet", "run", str(wasm), "--model", "tiny", "--"]
+    r = subprocess.run([*cmd, "best-of", "tiny", "Hi", "4", "2"], capture_output=True, text=True, timeout=120)
+    want = asyncio.run(_direct(model, "Hi", 4))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [want] * 3
+    bad = subprocess.run([*cmd, "forged"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "inferlet_bad_handle" in bad.stderr
