@@ -99,3 +99,22 @@ def test_cli_run_prints_sends_then_result(wasm, model) -> None:
     assert r.stdout.splitlines() == [want] * 3
     bad = subprocess.run([*cmd, "forged"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "inferlet_bad_handle" in bad.stderr
+
+
+def test_concurrent_inferlets_share_forward_passes(rt, wasm, model) -> None:
+    """Eight guests generating 8 tokens each: the scheduler batches their steps, so
+    passes are far fewer than steps (serial would be one step per pass)."""
+    stats = model.scheduler.stats
+
+    async def main():
+        p0, s0 = stats.passes, stats.steps
+        runs = [rt.run_async(wasm, ["chat", "tiny", f"Prompt {i}", "8"]) for i in range(8)]
+        outs = await asyncio.gather(*runs)
+        counted = stats.passes - p0, stats.steps - s0
+        for i, out in enumerate(outs):
+            assert out == await _direct(model, f"Prompt {i}", 8)
+        return counted
+
+    passes, steps = asyncio.run(main())
+    assert stats.max_steps_in_pass >= 2
+    assert passes < steps / 2, (passes, steps)
