@@ -102,15 +102,21 @@ class LoRALinear(torch.nn.Module):
 
     def __init__(self, base: torch.nn.Linear, path: str):
         super().__init__()
-        self.base = base
+        # The base layer's own parameters, registered under the same names: a wrapped model's
+        # state_dict (and save_pretrained) is the unwrapped one's. The layer itself is kept
+        # unregistered, for shape checks only.
+        object.__setattr__(self, "_base", base)
+        self.weight = base.weight
+        self.bias = base.bias
+        self.in_features, self.out_features = base.in_features, base.out_features
         self.path = path
 
     @property
-    def weight(self) -> torch.Tensor:
-        return self.base.weight
+    def base(self) -> torch.nn.Linear:
+        return self._base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
         table = _PASS.get()
         if not table:
             return y

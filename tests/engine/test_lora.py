@@ -158,3 +158,12 @@ def test_prefix_cache_never_shares_pages_across_adapter_stacks(qwen, refs, lora_
         assert_logits_close(logits, ref, f"lora prefix other stack {len(stack)}")
     both, n_both, _ = run(a, b)
     assert n_both == len(ids)  # a stack that starts with a is still another stack
+
+
+def test_wrapping_keeps_the_checkpoint_layout(tiny_dir, lora_dirs):
+    """A model with adapters loaded saves (state_dict) exactly as without them."""
+    model = Model.load(tiny_dir(TINY_QWEN), kv_pages=16, device="cpu")
+    before = {k: v.data_ptr() for k, v in model.hf.state_dict().items()}
+    model.load_adapter(lora_dirs[TINY_QWEN][0])
+    after = {k: v.data_ptr() for k, v in model.hf.state_dict().items()}
+    assert after == before  # same names, same tensors (nothing copied)
