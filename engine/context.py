@@ -632,7 +632,7 @@ class Context:
         every = want in ("all", "states")  # every row computed and returned: no prefix-cache reuse
         while self._n < total:
             self._check_open()  # closed while the previous chunk ran
-            self._table.salt = self.adapters.identity()
+            self._table.set_salt(self.adapters.identity(), self._n)
             if not every:
                 # Published pages matching pending rows (the prefix cache); the last row is
                 # always computed (its output is what this prefill is for).

@@ -58,8 +58,10 @@ class PageTable:
 
     def __init__(self, pool: KVPool):
         self.pool = pool
-        self.salt = b""
-        """Identity of the LoRA adapter stack pages are computed under (part of each key)."""
+        self._salts: list[tuple[int, bytes]] = [(0, b"")]
+        """(first row, identity of the LoRA adapter stack) segments: which stack each row's
+        K/V was computed under. A page's key names every stack its rows saw, so a page
+        whose rows straddle a push/pop is never taken for one computed under one stack."""
         self._pages: list[int] = []
         self._keys: list[PageKey] = []
 
@@ -89,6 +91,34 @@ class PageTable:
         """The pages holding the first ``rows`` rows."""
         return self._pages[: self.pages_for(rows)]
 
+    @property
+    def salt(self) -> bytes:
+        """Identity of the adapter stack rows are computed under from now on."""
+        return self._salts[-1][1]
+
+    def set_salt(self, salt: bytes, from_row: int) -> None:
+        """Rows from ``from_row`` on are (re)computed under the adapter stack ``salt``."""
+        while self._salts and self._salts[-1][0] >= from_row:
+            self._salts.pop()
+        if not self._salts or self._salts[-1][1] != salt:
+            self._salts.append((from_row, salt))
+
+    def _page_salt(self, idx: int) -> bytes:
+        """The salt of page ``idx``'s key: its stack, or each stack with its first row in
+        the page when its rows straddle a change."""
+        if len(self._salts) == 1:
+            return self._salts[0][1]
+        ps = self.pool.page_size
+        lo, hi = idx * ps, (idx + 1) * ps
+        seen: list[tuple[int, bytes]] = []
+        for i, (start, salt) in enumerate(self._salts):
+            end = self._salts[i + 1][0] if i + 1 < len(self._salts) else hi
+            if start < hi and end > lo:
+                seen.append((max(start, lo) - lo, salt))
+        if len(seen) == 1:
+            return seen[0][1]
+        return b"|".join(b"%d=" % off + salt for off, salt in seen)
+
     # -- prefix cache -----------------------------------------------------------------------
     def reuse(self, rows: Sequence[KeyedRow], committed: int, *, limit: int) -> int:
         """Take published pages for ``rows[committed:]`` (whole pages starting at a page
@@ -99,7 +129,7 @@ class PageTable:
         while n % ps == 0 and n + ps <= limit:
             if len(self._keys) != n // ps:
                 break
-            key = rows_key(self._keys[-1] if self._keys else None, rows[n : n + ps], self.salt)
+            key = rows_key(self._keys[-1] if self._keys else None, rows[n : n + ps], self._page_salt(n // ps))
             page = self.pool.lookup(key)
             if page is None:
                 break
@@ -118,7 +148,9 @@ class PageTable:
         (``rows`` holds at least those rows)."""
         ps = self.pool.page_size
         for idx in range(len(self._keys), committed // ps):
-            key = rows_key(self._keys[-1] if self._keys else None, rows[idx * ps : (idx + 1) * ps], self.salt)
+            key = rows_key(
+                self._keys[-1] if self._keys else None, rows[idx * ps : (idx + 1) * ps], self._page_salt(idx)
+            )
             self._pages[idx] = self.pool.register(self._pages[idx], key)
             self._keys.append(key)
 
@@ -177,6 +209,7 @@ class PageTable:
         self.pool.incref(held)
         child._pages = list(held)
         child._keys = list(self._keys)
+        child._salts = [seg for seg in self._salts if seg[0] < rows] or [(0, b"")]
         return child
 
     def release(self) -> None:

@@ -167,3 +167,28 @@ def test_wrapping_keeps_the_checkpoint_layout(tiny_dir, lora_dirs):
     model.load_adapter(lora_dirs[TINY_QWEN][0])
     after = {k: v.data_ptr() for k, v in model.hf.state_dict().items()}
     assert after == before  # same names, same tensors (nothing copied)
+
+
+def test_page_straddling_a_push_is_not_taken_for_one_computed_under_the_adapter(qwen, tiny_dir, lora_dirs):
+    """A page whose first rows were computed without the adapter and the rest with it is
+    published under both stacks, so a context that runs the whole page under the adapter
+    never reuses it: it computes the page and gets the logits a cold cache gives."""
+    ps = qwen.pool.page_size
+    ids = SyncContext(qwen).fill(LONG * 2).token_ids[: 3 * ps + 3]
+    assert len(ids) == 3 * ps + 3
+
+    def run(model: Model, push_at: int) -> torch.Tensor:
+        """Fill ``ids`` with the adapter pushed after row ``push_at`` (flushed before)."""
+        adapter = model.load_adapter(lora_dirs[TINY_QWEN][0])
+        ctx = SyncContext(model).fill_tokens(ids[:push_at])
+        ctx.flush()
+        ctx.adapters.push(adapter)
+        ctx.fill_tokens(ids[push_at:]).flush()  # hidden state only: the prefix cache is used
+        logits = ctx.next_token_logits().clone()
+        ctx.close()
+        return logits
+
+    run(qwen, ps + ps // 2)  # publishes page 1 with rows computed under two stacks
+    warm = run(qwen, ps)  # page 1 all under the adapter: must not reuse that page
+    cold = run(Model.load(tiny_dir(TINY_QWEN), kv_pages=64, device="cpu"), ps)
+    assert_logits_close(warm, cold, "lora page straddling a push")
