@@ -39,6 +39,7 @@ from engine.errors import (
     SnapshotModelMismatchError,
     UnsupportedArchitectureError,
 )
+from engine.grammar import Grammar, GrammarError, GrammarMatcher, GrammarUnavailableError
 from engine.kv_pool import KVPool, PoolStats
 from engine.lora import Adapter, AdapterStack
 from engine.metrics import Histogram, MetricsSnapshot
@@ -58,6 +59,10 @@ __all__ = [
     "Histogram",
     "MetricsSnapshot",
     "Hypothesis",
+    "Grammar",
+    "GrammarError",
+    "GrammarMatcher",
+    "GrammarUnavailableError",
     "beam_search",
     "POOLINGS",
     "embed_async",

@@ -21,6 +21,7 @@ from typing import Any
 from engine import stopping
 from engine.context import Context
 from engine.errors import InvalidRequestError
+from engine.grammar import Grammar
 from engine.model import Model
 from engine.sampling import Sampler
 
@@ -47,6 +48,8 @@ class CompletionParams:
     """None: no log-probabilities; k >= 0: the chosen token's and the top ``k`` alternatives'."""
     ignore_eos: bool = False
     """Generate through EOS until ``max_tokens`` or a stop string (benchmarks, load tests)."""
+    grammar: Grammar | None = None
+    """Every choice's output must match it (``response_format``: JSON schema, regex)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class ChoiceEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-_FINISH = {"eos": "stop", "stop_string": "stop", "length": "length"}
+_FINISH = {"eos": "stop", "stop_string": "stop", "grammar": "stop", "length": "length"}
 
 
 class Completion:
@@ -133,7 +136,9 @@ class Completion:
 
     async def _run(self, index: int, ctx: Context) -> None:
         try:
-            async for ev in ctx.stream(self.params.sampler, self._stop(), logprobs=self.params.logprobs):
+            async for ev in ctx.stream(
+                self.params.sampler, self._stop(), logprobs=self.params.logprobs, grammar=self.params.grammar
+            ):
                 self.completion_tokens[index] += 1
                 self._queue.put_nowait(
                     ChoiceEvent(

@@ -22,6 +22,7 @@ anyone's history.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -34,6 +35,7 @@ from engine import sampling, stopping
 from engine.chat import ChatState, chat_message, template_pieces
 from engine.errors import ContextClosedError, InvalidRequestError
 from engine.forward import LogitsWanted, MediaRows, StepInput
+from engine.grammar import Grammar, GrammarMatcher
 from engine.lora import AdapterStack
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable
@@ -310,12 +312,14 @@ class Context:
         stop: stopping.StopCondition | None = None,
         *,
         max_tokens: int | None = None,
+        grammar: Grammar | None = None,
     ) -> Generation:
         """Sample until ``stop`` (default: the model's EOS ids or ``max_tokens``, default 256).
-        Generated tokens join the context (the last one stays pending)."""
+        Generated tokens join the context (the last one stays pending). ``grammar``: the
+        output must match it (see ``stream``)."""
         tokens: list[int] = []
         reason = None
-        async for ev in self.stream(sampler, stop, max_tokens=max_tokens):
+        async for ev in self.stream(sampler, stop, max_tokens=max_tokens, grammar=grammar):
             tokens.append(ev.token)
             reason = ev.done
         assert reason is not None
@@ -328,16 +332,24 @@ class Context:
         *,
         max_tokens: int | None = None,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``generate`` one token at a time: yields a ``TokenEvent`` per token; the last one
         carries ``done`` (the stop reason). ``logprobs=k`` adds each token's log-probability
         and the ``k`` most probable alternatives (raw model distribution, before the
-        sampler's temperature and filters, as OpenAI and vLLM report them)."""
+        sampler's temperature and filters, as OpenAI and vLLM report them).
+
+        ``grammar`` (``engine.grammar.Grammar``: a JSON schema, regex or Lark grammar):
+        before each token every token it forbids is masked out, whatever the sampler; the
+        generation ends with reason "grammar" when the grammar allows nothing more."""
         self._check_open()
         if logprobs is not None:
             check_int("logprobs", logprobs, min=0, max=LOGPROBS_MAX)
         sampler = sampler or sampling.Sampler.greedy()
         cond = self._stop_condition(stop, max_tokens)
+        matcher = None
+        if grammar is not None:  # the first one per model builds a vocabulary index (~1 s)
+            matcher = await asyncio.to_thread(GrammarMatcher, grammar, self.model)
         tracker = cond.start()
         generated: list[int] = []
         counters = self.model.counters
@@ -348,7 +360,10 @@ class Context:
         while True:
             self._check_open()
             assert self._last_logits is not None
-            token = int(sampling.sample(self._last_logits[None], sampler, self._rng())[0])
+            scores = self._last_logits if matcher is None else matcher.mask(self._last_logits)
+            token = int(sampling.sample(scores[None], sampler, self._rng())[0])
+            if matcher is not None:
+                matcher.accept(token)
             lp, top = (
                 sampling.logprobs_of(self._last_logits, token, logprobs)
                 if logprobs is not None
@@ -358,6 +373,8 @@ class Context:
             self._append_text([token])
             text = self.model.detokenize(generated, skip_special_tokens=True)
             reason = tracker.check(generated, text)
+            if reason is None and matcher is not None and matcher.done:
+                reason = stopping.StopReason("grammar", text, matcher.grammar.kind)
             if reason is not None:
                 visible = reason.text
             else:

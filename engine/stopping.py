@@ -18,7 +18,9 @@ from typing import Any, Literal, Protocol
 
 from media import check_int
 
-Kind = Literal["length", "eos", "stop_string"]
+Kind = Literal["length", "eos", "stop_string", "grammar"]
+"""``grammar``: a constrained generation's grammar allowed nothing more (set by the
+context, not by a condition here)."""
 _PRIORITY: dict[str, int] = {"stop_string": 0, "eos": 1, "length": 2}
 
 
@@ -26,7 +28,7 @@ _PRIORITY: dict[str, int] = {"stop_string": 0, "eos": 1, "length": 2}
 class StopReason:
     """Why generation stopped.
 
-    kind: "length" | "eos" | "stop_string" (the API's finish reason).
+    kind: "length" | "eos" | "stop_string" | "grammar" (mapped to the API's finish reason).
     text: the text to return: for "stop_string" truncated before the stop string (or through it
       when the condition was built with include=True); otherwise the text as checked.
     detail: the token budget, the EOS id that fired, or the stop string matched.

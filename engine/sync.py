@@ -16,6 +16,7 @@ import torch
 
 from engine import sampling, stopping
 from engine.context import Context, Distribution, Generation, TokenEvent
+from engine.grammar import Grammar
 from engine.model import Model
 
 T = TypeVar("T")
@@ -104,8 +105,9 @@ class SyncContext:
         stop: stopping.StopCondition | None = None,
         *,
         max_tokens: int | None = None,
+        grammar: Grammar | None = None,
     ) -> Generation:
-        return run_sync(self.ctx.generate(sampler, stop, max_tokens=max_tokens))
+        return run_sync(self.ctx.generate(sampler, stop, max_tokens=max_tokens, grammar=grammar))
 
     def stream(
         self,
@@ -113,8 +115,9 @@ class SyncContext:
         stop: stopping.StopCondition | None = None,
         *,
         max_tokens: int | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[TokenEvent]:
-        agen = self.ctx.stream(sampler, stop, max_tokens=max_tokens)
+        agen = self.ctx.stream(sampler, stop, max_tokens=max_tokens, grammar=grammar)
         try:
             while True:
                 try:

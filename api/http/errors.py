@@ -38,6 +38,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "unsupported_audio_format": 400,
     "invalid_max_duration": 400,
     "context_closed": 409,
+    "invalid_grammar": 400,
+    "grammar_unavailable": 501,
     "out_of_kv_pages": 503,
     # the service itself
     "too_many_media_items": 400,

@@ -1,8 +1,9 @@
 """Request and response bodies (OpenAI shapes where OpenAI has one).
 
 Unknown request fields are ignored, as the OpenAI API and vLLM do; fields we know but
-cannot honour (tools, penalties, non-text response formats) are refused with a 400 by
-the route, never silently dropped.
+cannot honour (tools, penalties) are refused with a 400 by the route, never silently
+dropped. ``response_format`` takes OpenAI's text / json_object / json_schema and two
+extensions, regex and grammar (Lark): each becomes a token mask (``engine.grammar``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,46 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class TextFormat(_Lenient):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Lenient):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Lenient):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Lenient):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(_Lenient):
+    """Extension: the reply matches this regex as a whole."""
+
+    type: Literal["regex"]
+    regex: str = Field(max_length=256 * 1024)
+
+
+class GrammarFormat(_Lenient):
+    """Extension: the reply is a sentence of this Lark grammar (llguidance's dialect)."""
+
+    type: Literal["grammar"]
+    grammar: str = Field(max_length=256 * 1024)
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat | GrammarFormat,
+    Field(discriminator="type"),
+]
+
+
 class ChatCompletionRequest(_Lenient):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -86,7 +127,7 @@ class ChatCompletionRequest(_Lenient):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
 

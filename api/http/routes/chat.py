@@ -30,11 +30,13 @@ from api.http.schemas import (
     ChoiceLogprobs,
     ChunkChoice,
     Delta,
+    ResponseFormat,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
-from engine import ChoiceEvent, Completion, CompletionParams, InvalidRequestError, Sampler, Turn
+from engine import ChoiceEvent, Completion, CompletionParams, Grammar, InvalidRequestError, Sampler, Turn
+from media.errors import PieMediaError
 
 router = APIRouter(tags=["chat"])
 
@@ -101,8 +103,7 @@ def _params(body: ChatCompletionRequest, service: Service) -> CompletionParams:
         raise InvalidRequestError("logit_bias is not supported by this server", param="logit_bias")
     if body.tools:
         raise InvalidRequestError("tools are not supported by this server", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
+    grammar = _grammar(body.response_format)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     limit = service.settings.max_tokens_limit
@@ -138,7 +139,29 @@ def _params(body: ChatCompletionRequest, service: Service) -> CompletionParams:
         seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         ignore_eos=body.ignore_eos,
+        grammar=grammar,
     )
+
+
+def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
+    """The token mask a ``response_format`` asks for, compiled now so that a bad schema is
+    a 400 before anything runs (compiled grammars are cached)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    try:
+        if fmt.type == "json_object":
+            grammar = Grammar.json()
+        elif fmt.type == "json_schema":
+            grammar = Grammar.json_schema(fmt.json_schema.schema_)
+        elif fmt.type == "regex":
+            grammar = Grammar.regex(fmt.regex)
+        else:
+            grammar = Grammar.lark(fmt.grammar)
+        grammar.compiled()
+    except PieMediaError as e:
+        e.details.setdefault("param", "response_format")
+        raise
+    return grammar
 
 
 async def _turns(messages: list[ChatMessage], service: Service, accepts: set[str]) -> list[Turn]:
