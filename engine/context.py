@@ -259,13 +259,14 @@ class Context:
             self, width, max_tokens, length_penalty=length_penalty, eos=eos, num_return=num_return
         )
 
-    def snapshot(self) -> bytes:
+    def snapshot(self, *, include_kv: bool = False) -> bytes:
         """Portable bytes of this context (rows, media spans, chat, sampling state, model
-        fingerprint; not the KV pages): ``Context.resume(model, data)`` rebuilds it."""
+        fingerprint; with ``include_kv`` also the committed rows' K/V, so a resume computes
+        nothing again): ``Context.resume(model, data)`` rebuilds it."""
         from engine.snapshot import snapshot
 
         self._check_open()
-        return snapshot(self)
+        return snapshot(self, include_kv=include_kv)
 
     @classmethod
     def resume(cls, model: Model, data: bytes) -> Context:

@@ -2,10 +2,13 @@
 
 A snapshot holds what rebuilds the context's rows exactly: its text runs (token ids) and
 media spans (each span's ``Prepared``: ids, positions, the model inputs), plus the chat
-state, the sampling seed and generator state, and the model's fingerprint. KV pages are
-not stored: a resumed context recomputes them on its next pass (the prefix cache makes
-that free when the same prefix is still published), and then continues greedy
-generation exactly as the original would.
+state, the sampling seed and generator state, and the model's fingerprint. By default KV
+pages are not stored: a resumed context recomputes them on its next pass (the prefix
+cache makes that free when the same prefix is still published), and then continues
+greedy generation exactly as the original would. ``include_kv=True`` also stores the K/V
+of every committed row (per storing layer, in the pool's dtype) and which adapter stack
+computed them: the resumed context takes fresh pages, writes them back and computes only
+its last row again (its logits are not stored), on another process or machine too.
 
 Format (version 1), all little-endian, no pickle anywhere (snapshots may come from
 users): ``MAGIC | u32 version | u64 n | manifest JSON (n bytes) | u64 m | safetensors
@@ -27,6 +30,7 @@ from safetensors.torch import save as save_tensors
 
 from engine.chat import ChatState
 from engine.errors import NotASnapshotError, SnapshotCorruptError, SnapshotModelMismatchError
+from media.errors import PieMediaError
 
 if TYPE_CHECKING:
     from engine.context import Context
@@ -80,7 +84,57 @@ def _segments(ctx: Context) -> tuple[list[dict[str, Any]], list[Any]]:
     return segments, spans
 
 
-def snapshot(ctx: Context) -> bytes:
+def _kv(ctx: Context, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Store the committed rows' K/V; returns the manifest's ``kv`` entry."""
+    pool, n = ctx.model.pool, ctx._n
+    pages = torch.tensor(ctx._table.covering(n), dtype=torch.long, device=pool.device)
+    layers = []
+    for i, (k, v) in enumerate(zip(pool.k, pool.v, strict=True)):
+        if k is None or v is None:
+            continue
+        layers.append(i)
+        for name, t in (("k", k), ("v", v)):
+            tensors[f"kv{i}.{name}"] = t.index_select(0, pages).flatten(0, 1)[:n].contiguous().cpu()
+    salts = [[start, salt.hex()] for start, salt in ctx._table._salts if start < n] or [[0, ""]]
+    return {"rows": n, "layers": layers, "dtype": str(pool.dtype), "salts": salts}
+
+
+def _restore_kv(ctx: Context, kv: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Write stored K/V into fresh pages of ``ctx`` and mark those rows committed."""
+    pool, table = ctx.model.pool, ctx._table
+    n = int(kv["rows"])
+    if not 0 <= n <= len(ctx._rows):
+        raise SnapshotCorruptError(f"the snapshot stores K/V of {n} rows but holds {len(ctx._rows)}")
+    want = [i for i, k in enumerate(pool.k) if k is not None]
+    if kv["layers"] != want or kv["dtype"] != str(pool.dtype):
+        raise SnapshotModelMismatchError(
+            f"the snapshot's K/V ({kv['dtype']}, storing layers {kv['layers']}) do not fit this model's "
+            f"pool ({pool.dtype}, {want}); load the model with the same dtype, or resume without K/V"
+        )
+    for i in want:
+        for name in ("k", "v"):
+            t = tensors[f"kv{i}.{name}"]
+            if tuple(t.shape) != (n, *pool.k[i].shape[2:]):  # type: ignore[union-attr]
+                raise SnapshotCorruptError(f"stored K/V of layer {i} has shape {tuple(t.shape)}")
+    if n == 0:
+        return
+    table._salts = [(int(start), bytes.fromhex(salt)) for start, salt in kv["salts"]]
+    table.reserve(0, n)  # OutOfPagesError: nothing taken
+    ps = pool.page_size
+    pages = torch.tensor(table.covering(n), dtype=torch.long, device=pool.device)
+    full = len(pages) * ps
+    for i in want:
+        for name, dst in (("k", pool.k[i]), ("v", pool.v[i])):
+            assert dst is not None
+            src = tensors[f"kv{i}.{name}"].to(pool.device)
+            if full > n:  # the last page is partly filled: pad (those rows are never read)
+                src = torch.cat([src, src.new_zeros(full - n, *src.shape[1:])])
+            dst.index_copy_(0, pages, src.view(len(pages), ps, *src.shape[1:]))
+    ctx._n = n
+    table.publish(ctx._rows, n)
+
+
+def snapshot(ctx: Context, *, include_kv: bool = False) -> bytes:
     segments, spans = _segments(ctx)
     tensors: dict[str, torch.Tensor] = {}
     prepared = []
@@ -104,6 +158,8 @@ def snapshot(ctx: Context) -> bytes:
         "seed": ctx._seed,
         "rows": len(ctx._rows),
     }
+    if include_kv:
+        manifest["kv"] = _kv(ctx, tensors)
     head = json.dumps(manifest, separators=(",", ":")).encode()
     blob = save_tensors(tensors) if tensors else b""
     body = MAGIC + struct.pack("<IQ", VERSION, len(head)) + head + struct.pack("<Q", len(blob)) + blob
@@ -178,4 +234,16 @@ def resume(model: Model, data: bytes) -> Context:
         raise SnapshotCorruptError(
             f"the snapshot rebuilds {len(ctx._rows)} rows, it recorded {manifest['rows']}"
         )
+    if "kv" in manifest:
+        try:
+            _restore_kv(ctx, manifest["kv"], tensors)
+        except PieMediaError:
+            ctx.close()
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            ctx.close()
+            raise SnapshotCorruptError(f"the snapshot's K/V are inconsistent: {e}") from None
+        except BaseException:
+            ctx.close()
+            raise
     return ctx

@@ -90,3 +90,60 @@ def test_saved_export_import_round_trip(qwen, gemma) -> None:
     with pytest.raises(SnapshotModelMismatchError):
         gemma.saved.import_("x", data, model=gemma)
     assert "x" not in gemma.saved
+
+
+@pytest.mark.parametrize("family", ["qwen", "gemma"])
+def test_snapshot_with_kv_resumes_on_a_cold_model_computing_one_row(request, tiny_dir, family: str) -> None:
+    """With ``include_kv`` a resume into another Model instance (empty prefix cache, as on
+    another machine) computes only its last committed row again and continues exactly."""
+    from engine import Model
+
+    model = request.getfixturevalue(family)
+    original = (
+        SyncContext(model).system("Be brief.").user(Image.from_bytes(IMG_A), "Tell me about this.").cue()
+    )
+    original.flush()
+    original.fill("Well,")  # pending rows travel as rows
+    data = original.ctx.snapshot(include_kv=True)
+    light = original.ctx.snapshot()
+    committed = original.ctx.committed
+    want = _continue(original)
+    original.close()
+    assert committed > 32 and len(data) > len(light)
+
+    cold = Model.load(model.path, kv_pages=64, device="cpu")
+    resumed = Context.resume(cold, data)
+    assert resumed.committed == committed and len(resumed.pages) >= committed // cold.pool.page_size
+    pending = resumed.pending  # "Well,"
+    assert pending > 0
+    before = cold.runner.rows_computed
+    got = _continue(SyncContext(resumed))
+    # The first pass computes only the pending rows, each later step one row.
+    assert cold.runner.rows_computed - before == pending + len(got) - 1
+    assert got == want
+    resumed.close()
+    # Without pending rows the last committed row is computed again (logits not stored).
+    ctx = SyncContext(Context.resume(cold, data))
+    ctx.ctx.truncate(committed)
+    before = cold.runner.rows_computed
+    ctx.generate(Sampler.greedy(), max_tokens(1))
+    assert cold.runner.rows_computed - before == 1
+    ctx.close()
+    light_ctx = Context.resume(cold, light)
+    assert light_ctx.committed == 0  # the light snapshot's rows are all pending
+    light_ctx.close()
+
+
+def test_kv_snapshot_into_another_dtype_is_a_typed_error(qwen, tiny_dir) -> None:
+    import torch
+
+    from engine import Model
+
+    ctx = SyncContext(qwen).user("Hello there.").cue()
+    ctx.flush()
+    data = ctx.ctx.snapshot(include_kv=True)
+    ctx.close()
+    half = Model.load(qwen.path, kv_pages=16, device="cpu", dtype=torch.bfloat16)
+    with pytest.raises(SnapshotModelMismatchError, match="dtype|resume without K/V"):
+        Context.resume(half, data)
+    assert half.pool.available() == 16
