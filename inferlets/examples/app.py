@@ -1,59 +1,40 @@
-"""One guest component holding the examples; the first argument picks one."""
+"""One guest component holding the example inferlets; the first argument picks one.
 
-import wit_world
-from componentize_py_types import Err
-from pie_sdk import Context, InferletError, args, send
+    pie-media inferlet run app.wasm --model tiny -- chat tiny "Describe a cat." 12
+
+Media bytes are passed base64-encoded as an argument, or as ``-`` to read them from the
+launcher's first message (``receive``)."""
+
+import best_of
+import hostile
+import media_qa
+import search
+import tts
+from pie_sdk import Context, inferlet
 
 
-def chat(model: str, prompt: str, n: str) -> str:
+def chat(model, prompt, n):
     ctx = Context(model).user(prompt).cue()
     return ctx.generate(max_tokens=int(n))
 
 
-def best_of(model: str, prompt: str, n: str, k: str) -> str:
-    base = Context(model).user(prompt).cue()
-    outs = []
-    for _ in range(int(k)):
-        f = base.fork()
-        outs.append(f.generate(max_tokens=int(n)))
-        send(outs[-1])
-    return max(outs, key=len)
-
-
-def loop() -> str:
-    while True:
-        pass
-
-
-def bomb() -> str:
-    xs = []
-    while True:
-        xs.append(bytearray(1 << 20))
-
-
-def handles(model: str) -> str:
-    while True:
-        Context(model)
-
-
-def forged() -> str:
-    return Context("x", _handle=12345).generate(4)
-
-
 EXAMPLES = {
     "chat": chat,
-    "best-of": best_of,
-    "loop": loop,
-    "bomb": bomb,
-    "handles": handles,
-    "forged": forged,
+    "image-qa": media_qa.image_qa,
+    "video-qa": media_qa.video_qa,
+    "tts": tts.tts,
+    "tts-stream": tts.tts_stream,
+    "best-of": best_of.best_of,
+    "beam": search.beam,
+    **hostile.CASES,
 }
 
 
-class WitWorld(wit_world.WitWorld):
-    def run(self) -> str:
-        a = args()
-        try:
-            return EXAMPLES[a[0]](*a[1:])
-        except InferletError as e:
-            raise Err(str(e)) from None
+@inferlet
+def main(args):
+    if not args or args[0] not in EXAMPLES:
+        raise ValueError(f"first argument: one of {', '.join(sorted(EXAMPLES))}")
+    return EXAMPLES[args[0]](*args[1:])
+
+
+WitWorld = main.world

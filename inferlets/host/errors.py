@@ -43,3 +43,22 @@ class InvalidComponentError(InferletError):
     """The bytes are not a WebAssembly component of this world."""
 
     code = "invalid_inferlet"
+
+
+class InferletCancelledError(InferletError):
+    """Whoever launched the run cancelled it."""
+
+    code = "inferlet_cancelled"
+
+
+class InferletHostError(InferletError):
+    """A host call failed in an unexpected way (a bug on the host side, reported to the
+    guest as this typed error instead of crashing the server)."""
+
+    code = "inferlet_host_error"
+
+
+class UnknownModelError(InferletError):
+    """The guest named a model the host does not serve (or one of the wrong kind)."""
+
+    code = "model_not_found"

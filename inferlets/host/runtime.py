@@ -7,40 +7,43 @@ import asyncio
 import hashlib
 import importlib.metadata
 import threading
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import wasmtime
 from wasmtime import component as wc
 
-from engine import Context, Model
+from inferlets.host import wit_values as wv
+from inferlets.host.control import InferletRun
 from inferlets.host.errors import (
+    InferletCancelledError,
     InferletError,
     InferletFailedError,
-    InferletHandleError,
-    InferletLimitError,
     InferletTimeoutError,
     InferletTrapError,
     InvalidComponentError,
 )
+from inferlets.host.iface_context import ContextCalls
+from inferlets.host.iface_media import MediaCalls
+from inferlets.host.iface_runtime import ModelCalls, RuntimeCalls
+from inferlets.host.iface_speech import SpeechCalls
+from inferlets.host.limits import RunLimits
+from inferlets.host.state import RunState
 from media.errors import PieMediaError
 
-IFACE = "pie:media/host@0.1.0"
+PACKAGE = "pie:media"
+VERSION = "0.1.0"
+INTERFACES: dict[str, type] = {
+    "runtime": RuntimeCalls,
+    "models": ModelCalls,
+    "context": ContextCalls,
+    "media": MediaCalls,
+    "speech": SpeechCalls,
+}
 EPOCH_TICK_S = 0.01
 _WASMTIME = importlib.metadata.version("wasmtime")
-
-
-@dataclass(frozen=True)
-class RunLimits:
-    """Per-run budgets: guest memory, fuel (CPU), wall clock, live handles, string size."""
-
-    memory_bytes: int = 256 << 20
-    fuel: int = 2_000_000_000
-    wall_s: float = 60.0
-    max_handles: int = 64
-    max_text_bytes: int = 1 << 20
 
 
 class _Ticker:
@@ -54,6 +57,29 @@ class _Ticker:
         ev = threading.Event()
         while not ev.wait(EPOCH_TICK_S):
             self.engine.increment_epoch()
+
+
+def _host_func(
+    run: RunState, fn: Callable[..., Any], tagged: bool, returns_result: bool
+) -> Callable[..., Any]:
+    """A linker function: checks the run's budgets, calls ``fn``, and lowers any failure to
+    the WIT ``error`` record (no exception ever reaches wasmtime: a host call cannot crash
+    the host)."""
+    if not returns_result:
+        return lambda store, *a: fn(*a)
+
+    def call(store: Any, *a: Any) -> Any:
+        try:
+            run.check()
+            return wv.ok(fn(*a), tagged)
+        except PieMediaError as e:
+            rec = wv.error(e.code, e.message)
+        except Exception as e:  # noqa: BLE001 - reported to the guest as a typed error
+            run.host_errors.append(traceback.format_exc(limit=8))
+            rec = wv.error("inferlet_host_error", f"{type(e).__name__}: {e}")
+        return wv.err(rec, tagged)
+
+    return call
 
 
 class InferletRuntime:
@@ -90,7 +116,7 @@ class InferletRuntime:
                     comp = wc.Component(self.engine, data)
                 except wasmtime.WasmtimeError as e:
                     raise InvalidComponentError("not a WebAssembly component", detail=str(e)[:200]) from None
-                tmp = path.with_suffix(".tmp")
+                tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
                 tmp.write_bytes(comp.serialize())
                 tmp.replace(path)
             self._components[key] = comp
@@ -104,137 +130,87 @@ class InferletRuntime:
         loop: asyncio.AbstractEventLoop,
         on_send: Callable[[str], None] | None = None,
         limits: RunLimits | None = None,
+        control: InferletRun | None = None,
     ) -> str:
-        """Run to completion on this (worker) thread; host calls go to ``loop``. Returns
-        the guest's result or raises a typed InferletError."""
+        """Run to completion on this (worker) thread; engine calls go to ``loop`` (which
+        must be running on another thread). Returns the guest's result or raises a typed
+        InferletError; however the run ends, its contexts are closed (pages back to the
+        pool) and its media and streams released. ``control``: messages for the guest's
+        ``receive`` and ``cancel()`` (see ``InferletRun``)."""
         _, comp = self.component(wasm)
-        run = _Run(self, loop, args, on_send or (lambda s: None), limits or self.limits)
+        state = RunState(self.models, loop, args, on_send or (lambda s: None), limits or self.limits, control)
         try:
-            return run.execute(comp)
+            return self._execute(state, comp)
         finally:
-            run.close()
+            state.close()
 
     async def run_async(self, wasm: bytes | Path, args: list[str], **kw: Any) -> str:
-        """Run on a worker thread; host calls come back to the running loop."""
+        """Run on a worker thread; host calls come back to the running loop. Keywords as
+        ``run`` (``on_send``, ``limits``, ``control``)."""
         loop = asyncio.get_running_loop()
         return await asyncio.to_thread(self.run, wasm, args, loop=loop, **kw)
 
-
-@dataclass
-class _Run:
-    rt: InferletRuntime
-    loop: asyncio.AbstractEventLoop
-    args: list[str]
-    on_send: Callable[[str], None]
-    limits: RunLimits
-    handles: dict[int, Context] = field(default_factory=dict)
-    next_handle: int = 1
-
-    def _await(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def _ctx(self, h: int) -> Context:
-        ctx = self.handles.get(h)
-        if ctx is None:
-            raise InferletHandleError(f"no live context with handle {h} in this run", handle=h)
-        return ctx
-
-    def _add(self, ctx: Context) -> int:
-        if len(self.handles) >= self.limits.max_handles:
-            ctx.close()
-            raise InferletLimitError(
-                f"more than {self.limits.max_handles} live handles", limit=self.limits.max_handles
-            )
-        h = self.next_handle
-        self.next_handle += 1
-        self.handles[h] = ctx
-        return h
-
-    def _text(self, s: str) -> str:
-        if len(s.encode()) > self.limits.max_text_bytes:
-            raise InferletLimitError(
-                f"text over {self.limits.max_text_bytes} bytes", limit=self.limits.max_text_bytes
-            )
-        return s
-
-    def _wrap(self, fn: Callable[..., Any], tagged: bool) -> Callable[..., Any]:
-        """Lower ok/err: wasmtime-py needs a Variant when both cases share a type
-        (result<string, string>), the bare value otherwise."""
-
-        def call(store: Any, *a: Any) -> Any:
-            try:
-                v = fn(*a)
-                return wc.Variant("ok", v) if tagged else v
-            except PieMediaError as e:
-                msg = f"{e.code}: {e}"
-                return wc.Variant("err", msg) if tagged else msg
-
-        return call
-
-    # host functions -------------------------------------------------------
-    def create_context(self, model: str) -> int:
-        m = self.rt.models.get(model)
-        if not isinstance(m, Model):
-            raise InferletHandleError(f"no text model named {model!r}; have {sorted(self.rt.models)}")
-        return self._add(Context(m))
-
-    def fill(self, h: int, text: str) -> int:
-        self._ctx(h).fill(self._text(text))
-        return h
-
-    def user(self, h: int, text: str) -> int:
-        self._ctx(h).user(self._text(text))
-        return h
-
-    def cue(self, h: int) -> int:
-        self._ctx(h).cue()
-        return h
-
-    def generate(self, h: int, n: int) -> str:
-        ctx = self._ctx(h)
-        g = self._await(ctx.generate(max_tokens=n))
-        return g.text
-
-    def fork(self, h: int) -> int:
-        return self._add(self._ctx(h).fork())
-
-    def drop_context(self, h: int) -> int:
-        self._ctx(h).close()
-        del self.handles[h]
-        return h
-
-    def execute(self, comp: wc.Component) -> str:
-        store = wasmtime.Store(self.rt.engine)
-        store.set_limits(memory_size=self.limits.memory_bytes)
-        store.set_fuel(self.limits.fuel)
-        store.set_epoch_deadline(max(1, int(self.limits.wall_s / EPOCH_TICK_S)))
-        store.set_wasi(wasmtime.WasiConfig())
-        linker = wc.Linker(self.rt.engine)
+    def _linker(self, state: RunState) -> wc.Linker:
+        linker = wc.Linker(self.engine)
         linker.add_wasip2()
-        with linker.root() as root, root.add_instance(IFACE) as inst:
-            inst.add_func("args", lambda store: list(self.args))
-            inst.add_func("send", lambda store, s: self.on_send(s))
-            inst.add_func("models", lambda store: sorted(self.rt.models))
-            for name in ("create-context", "fill", "user", "cue", "generate", "fork", "drop-context"):
-                inst.add_func(name, self._wrap(getattr(self, name.replace("-", "_")), name == "generate"))
+        with linker.root() as root:
+            with root.add_instance(f"{PACKAGE}/types@{VERSION}"):
+                pass
+            for name, cls in INTERFACES.items():
+                calls = cls(state)
+                with root.add_instance(f"{PACKAGE}/{name}@{VERSION}") as inst:
+                    for wit_name, (method, tagged, returns_result) in cls.FUNCS.items():
+                        fn = getattr(calls, method)
+                        inst.add_func(wit_name, _host_func(state, fn, tagged, returns_result))
+        return linker
+
+    def _execute(self, state: RunState, comp: wc.Component) -> str:
+        limits = state.limits
+        store = wasmtime.Store(self.engine)
+        store.set_limits(memory_size=limits.memory_bytes)
+        store.set_fuel(limits.fuel)
+        store.set_epoch_deadline(max(1, int(limits.wall_s / EPOCH_TICK_S)))
+        store.set_wasi(wasmtime.WasiConfig())
+        linker = self._linker(state)
         try:
             instance = linker.instantiate(store, comp)
             run = instance.get_func(store, "run")
-            assert run is not None
+            if run is None:
+                raise InvalidComponentError("the component exports no run function")
             out = run(store)
         except wasmtime.WasmtimeError as e:
             msg = str(e)
+            if state.control is not None and state.control.cancelled:
+                raise InferletCancelledError("the run was cancelled") from None
             if "interrupt" in msg:
-                raise InferletTimeoutError(f"inferlet passed its {self.limits.wall_s} s deadline") from None
-            raise InferletTrapError("inferlet trapped: " + msg.splitlines()[-1][:300]) from None
-        if isinstance(out, wc.Variant) and out.tag == "err":
-            raise InferletFailedError(str(out.payload))
-        return out.payload if isinstance(out, wc.Variant) else str(out)
+                raise InferletTimeoutError(f"inferlet passed its {limits.wall_s} s deadline") from None
+            if "import" in msg and "not defined" in msg or "type mismatch" in msg:
+                raise InvalidComponentError(
+                    "the component does not fit this host's world", detail=msg[:300]
+                ) from None
+            raise InferletTrapError("inferlet trapped: " + _trap_reason(msg)) from None
+        finally:
+            store.close()
+        if state.control is not None and state.control.cancelled:
+            raise InferletCancelledError("the run was cancelled")
+        if isinstance(out, wc.Variant):
+            if out.tag == "ok":
+                return str(out.payload)
+            out = out.payload
+        if isinstance(out, str):
+            return out
+        code, message = getattr(out, "code", "inferlet_failed"), getattr(out, "message", str(out))
+        raise InferletFailedError(f"{code}: {message}", guest_code=code)
 
-    def close(self) -> None:
-        for ctx in self.handles.values():
-            ctx.close()
-        self.handles.clear()
+
+def _trap_reason(msg: str) -> str:
+    """The useful line of a wasmtime trap message (the reason, not the backtrace)."""
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    for ln in lines:
+        low = ln.lower()
+        if any(w in low for w in ("fuel", "out of bounds", "unreachable", "memory", "overflow", "stack")):
+            return ln[:300]
+    return (lines[-1] if lines else msg)[:300]
 
 
-__all__ = ["InferletRuntime", "RunLimits", "InferletError"]
+__all__ = ["InferletRuntime", "RunLimits", "InferletError", "InferletRun"]

@@ -1,59 +1,447 @@
-"""Guest SDK: reads like engine.Context, calls the host through the WIT bindings."""
+"""Guest SDK: reads like the engine's ``Context`` API and calls the host through the WIT
+bindings. A whole inferlet::
 
+    from pie_sdk import Context, Image, inferlet
+
+    @inferlet
+    def main(args):
+        ctx = Context("tiny")
+        ctx.user(Image.from_bytes(data), "What is this?").cue()
+        return ctx.generate(max_tokens=64)
+
+    WitWorld = main.world   # componentize-py looks for ``WitWorld`` in the app module
+
+Every failing host call raises ``InferletError`` with the host's stable ``code``.
+"""
+
+import struct
+from array import array
+
+import wit_world
 from componentize_py_types import Err
-from wit_world.imports import host
+from wit_world.imports import context as _ctx
+from wit_world.imports import media as _media
+from wit_world.imports import models as _models
+from wit_world.imports import runtime as _rt
+from wit_world.imports import speech as _speech
+from wit_world.imports import types as _t
+
+# -- errors ----------------------------------------------------------------------------------
 
 
 class InferletError(Exception):
     """A host call failed; ``code`` is the stable PieMediaError code."""
 
-    def __init__(self, text: str):
-        self.code, _, self.message = text.partition(": ")
-        super().__init__(text)
+    def __init__(self, code, message):
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
 
 
 def _call(fn, *a):
     try:
         return fn(*a)
     except Err as e:
-        raise InferletError(e.value) from None
+        v = e.value
+        raise InferletError(getattr(v, "code", "inferlet_error"), getattr(v, "message", str(v))) from None
 
 
-def args() -> list[str]:
-    return host.args()
+# -- the run ---------------------------------------------------------------------------------
 
 
-def send(msg: str) -> None:
-    host.send(msg)
+def args():
+    """The run's arguments."""
+    return _rt.args()
+
+
+def send(text):
+    """Stream ``text`` to whoever launched the run."""
+    _call(_rt.send, str(text))
+
+
+def receive():
+    """The next message from the launcher, or None once it has closed its side."""
+    m = _call(_rt.receive)
+    return None if m.closed else m.text
+
+
+def now():
+    """Monotonic clock in seconds (float)."""
+    return _rt.now() / 1e9
+
+
+def inferlet(fn):
+    """Decorate the inferlet's ``main(args) -> str``; ``main.world`` is the exported class
+    (assign it to ``WitWorld`` in the app module). ``InferletError`` and other exceptions
+    end the run with a typed error (code ``guest_exception`` for non-SDK ones); memory
+    exhaustion is left to trap."""
+
+    class World(wit_world.WitWorld):
+        def run(self):
+            try:
+                out = fn(args())
+            except InferletError as e:
+                raise Err(_t.Error(e.code, e.message)) from None
+            except MemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported to the host as the run's error
+                raise Err(_t.Error("guest_exception", f"{type(e).__name__}: {e}")) from None
+            return "" if out is None else str(out)
+
+    fn.world = World
+    return fn
+
+
+# -- models and tokens -----------------------------------------------------------------------
+
+
+def models():
+    """``ModelInfo`` records (name, kind "text"/"speech", media_kinds, eos_tokens)."""
+    return _models.list_models()
+
+
+def _default(kind):
+    for m in _models.list_models():
+        if m.kind == kind:
+            return m.name
+    raise InferletError("model_not_found", f"the host serves no {kind} model")
+
+
+def _name(model, kind="text"):
+    if model is None:
+        return _default(kind)
+    return model if isinstance(model, str) else model.name
+
+
+def tokenize(text, model=None):
+    return _call(_models.tokenize, _name(model), text)
+
+
+def detokenize(ids, model=None):
+    return _call(_models.detokenize, _name(model), list(ids))
+
+
+# -- sampling --------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Sampling parameters (temperature 0 = greedy; top_k 0 / top_p 1 / min_p 0 = off)."""
+
+    def __init__(self, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None):
+        self.temperature, self.top_k, self.top_p, self.min_p, self.seed = (
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+        )
+
+    @classmethod
+    def greedy(cls):
+        return cls()
+
+    @classmethod
+    def multinomial(cls, temperature=1.0, seed=None):
+        return cls(temperature, seed=seed)
+
+    @classmethod
+    def top_p(cls, temperature, top_p, seed=None):
+        return cls(temperature, top_p=top_p, seed=seed)
+
+    @classmethod
+    def top_k(cls, temperature, top_k, seed=None):
+        return cls(temperature, top_k=top_k, seed=seed)
+
+    def _wit(self):
+        return _t.Sampler(
+            float(self.temperature), int(self.top_k), float(self.top_p), float(self.min_p), self.seed
+        )
+
+
+# -- media -----------------------------------------------------------------------------------
+
+
+class _Media:
+    """Media bytes, prepared for a model on first use (``info(model)``, or placed in a
+    context); one host handle per model, released by ``drop()``."""
+
+    kind = ""
+
+    def __init__(self, data, model=None, **params):
+        self.data = bytes(data)
+        self.params = params
+        self._handles = {}
+        if model is not None:
+            self.handle(model)
+
+    @classmethod
+    def from_bytes(cls, data, model=None, **params):
+        return cls(data, model, **params)
+
+    def _make(self, model):
+        raise NotImplementedError
+
+    def handle(self, model=None):
+        name = _name(model)
+        if name not in self._handles:
+            self._handles[name] = self._make(name)
+        return self._handles[name]
+
+    def info(self, model=None):
+        """``MediaInfo``: kind, token_count, rows, grid, position_span, frame_count, timestamps."""
+        return _call(_media.info, self.handle(model))
+
+    def token_count(self, model=None):
+        return self.info(model).token_count
+
+    def drop(self):
+        for h in self._handles.values():
+            _call(_media.drop, h)
+        self._handles = {}
+
+
+class Image(_Media):
+    kind = "image"
+
+    def _make(self, model):
+        return _call(_media.image_from_bytes, model, self.data)
+
+
+class Video(_Media):
+    """``Video.from_bytes(data, max_frames=8)``."""
+
+    kind = "video"
+
+    def _make(self, model):
+        return _call(_media.video_from_bytes, model, self.data, int(self.params.get("max_frames") or 0))
+
+
+class Audio(_Media):
+    kind = "audio"
+
+    def _make(self, model):
+        return _call(_media.audio_from_bytes, model, self.data)
+
+
+# -- contexts --------------------------------------------------------------------------------
+
+
+class Generation:
+    def __init__(self, g):
+        self.text, self.tokens, self.finish_reason = g.text, list(g.tokens), g.finish_reason
+
+    def __repr__(self):
+        return f"Generation({self.text!r}, {len(self.tokens)} tokens, {self.finish_reason})"
+
+
+class Distribution:
+    """The next token's distribution: ``ids`` most probable first, ``probs``."""
+
+    def __init__(self, d):
+        self.ids, self.probs = list(d.ids), list(d.probs)
+
+    def __iter__(self):
+        return iter(zip(self.ids, self.probs, strict=True))
 
 
 class Context:
     """A context on the host's model; ``handle`` is this run's table index."""
 
-    def __init__(self, model: str, _handle: int | None = None):
-        self.model = model
-        self.handle = _call(host.create_context, model) if _handle is None else _handle
+    def __init__(self, model=None, _handle=None):
+        self.model = _name(model)
+        self.handle = _call(_ctx.create, self.model) if _handle is None else _handle
 
-    def fill(self, text: str) -> "Context":
-        _call(host.fill, self.handle, text)
+    # filling (buffers only)
+    def fill(self, text):
+        _call(_ctx.fill, self.handle, text)
         return self
 
-    def user(self, text: str) -> "Context":
-        _call(host.user, self.handle, text)
+    def fill_tokens(self, ids):
+        _call(_ctx.fill_tokens, self.handle, [int(i) for i in ids])
         return self
 
-    def cue(self) -> "Context":
-        _call(host.cue, self.handle)
+    def _turn(self, role, parts):
+        wit_parts = []
+        for p in parts:
+            if isinstance(p, str):
+                wit_parts.append(_t.Part_Text(p))
+            else:
+                wit_parts.append(_t.Part_Media(p.handle(self.model)))
+        _call(_ctx.turn, self.handle, role, wit_parts)
         return self
 
-    def generate(self, max_tokens: int = 64) -> str:
-        return _call(host.generate, self.handle, max_tokens)
+    def system(self, *parts):
+        return self._turn("system", parts)
 
-    def fork(self) -> "Context":
-        return Context(self.model, _call(host.fork, self.handle))
+    def user(self, *parts):
+        """A user turn: text and media (``Image``/``Video``/``Audio``) parts in order."""
+        return self._turn("user", parts)
 
-    def drop(self) -> None:
-        _call(host.drop_context, self.handle)
+    def assistant(self, *parts):
+        return self._turn("assistant", parts)
 
-    def __repr__(self) -> str:
+    def append(self, media):
+        """Place a media item raw, outside any turn."""
+        _call(_ctx.append_media, self.handle, media.handle(self.model))
+        return self
+
+    append_image = append_video = append_audio = append
+
+    def cue(self):
+        _call(_ctx.cue, self.handle)
+        return self
+
+    # forward passes
+    def flush(self):
+        _call(_ctx.flush, self.handle)
+        return self
+
+    def generate_full(self, max_tokens=64, sampler=None, stop=(), eos=True):
+        """A ``Generation`` (text, tokens, finish_reason)."""
+        s = (sampler or Sampler.greedy())._wit()
+        st = _t.Stop(int(max_tokens), [str(x) for x in stop], bool(eos))
+        return Generation(_call(_ctx.generate, self.handle, s, st))
+
+    def generate(self, max_tokens=64, sampler=None, stop=(), eos=True):
+        """The generated text (greedy unless ``sampler``); stops at ``max_tokens``, any of
+        ``stop`` (excluded from the text) or the model's EOS (``eos=False``: not)."""
+        return self.generate_full(max_tokens, sampler, stop, eos).text
+
+    def decode_step(self, top_k=20):
+        """The next token's distribution (top-k ids and probabilities); nothing appended."""
+        return Distribution(_call(_ctx.decode_step, self.handle, int(top_k)))
+
+    @staticmethod
+    def generate_all(contexts, max_tokens=64, samplers=None, stop=(), eos=True):
+        """``Generation`` of each context, generated together (their decode steps share
+        batched passes); ``samplers``: one ``Sampler`` for all, or one per context."""
+        ss = samplers if isinstance(samplers, (list, tuple)) else [samplers or Sampler.greedy()]
+        st = _t.Stop(int(max_tokens), [str(x) for x in stop], bool(eos))
+        out = _call(_ctx.generate_all, [c.handle for c in contexts], [s._wit() for s in ss], st)
+        return [Generation(g) for g in out]
+
+    @staticmethod
+    def decode_step_all(contexts, top_k=20):
+        """``decode_step`` of each context, in one batched pass."""
+        return [
+            Distribution(d) for d in _call(_ctx.decode_step_all, [c.handle for c in contexts], int(top_k))
+        ]
+
+    # branching and persistence
+    def fork(self):
+        return Context(self.model, _call(_ctx.fork, self.handle))
+
+    def save(self, name, overwrite=False):
+        _call(_ctx.save, self.handle, name, bool(overwrite))
+        return self
+
+    @classmethod
+    def open(cls, name, model=None):
+        m = _name(model)
+        return cls(m, _call(_ctx.open, m, name))
+
+    @staticmethod
+    def delete_saved(name, model=None):
+        _call(_ctx.delete_saved, _name(model), name)
+
+    def truncate(self, n):
+        _call(_ctx.truncate, self.handle, int(n))
+        return self
+
+    @property
+    def token_ids(self):
+        return _call(_ctx.token_ids, self.handle)
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    def drop(self):
+        _call(_ctx.drop, self.handle)
+
+    close = drop
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.drop()
+
+    def __repr__(self):
         return f"Context(model={self.model!r}, handle={self.handle})"
+
+
+# -- speech ----------------------------------------------------------------------------------
+
+
+def _speech_options(speaker, temperature, top_k, seed, max_duration):
+    return _t.SpeechOptions(
+        str(speaker),
+        None if temperature is None else float(temperature),
+        None if top_k is None else int(top_k),
+        seed,
+        None if max_duration is None else float(max_duration),
+    )
+
+
+def float_wav(pcm, sample_rate, channels=1):
+    """A WAV file (IEEE float32 samples, format 3) around little-endian float32 PCM bytes."""
+    pcm = bytes(pcm)
+    fmt = struct.pack("<HHIIHH", 3, channels, sample_rate, sample_rate * channels * 4, channels * 4, 32)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(pcm)) + pcm
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+class Clip:
+    """A spoken clip: ``sample_rate``, ``channels``, ``duration`` (s), ``pcm`` (float32 LE
+    bytes), ``stop_reason``."""
+
+    def __init__(self, c):
+        self.sample_rate, self.channels, self.duration = c.sample_rate, c.channels, c.duration
+        self.pcm, self.stop_reason = bytes(c.pcm), c.stop_reason
+
+    def samples(self):
+        """The PCM as floats."""
+        a = array("f")
+        a.frombytes(self.pcm)
+        return a
+
+    def to_wav(self):
+        return float_wav(self.pcm, self.sample_rate, self.channels)
+
+
+def speak(text, model=None, speaker="0", temperature=None, top_k=None, seed=None, max_duration=None):
+    """Text to speech on a speech model: a ``Clip``."""
+    opts = _speech_options(speaker, temperature, top_k, seed, max_duration)
+    return Clip(_call(_speech.speak, _name(model, "speech"), text, opts))
+
+
+class SpeechStream:
+    """Iterate for PCM chunks (float32 LE bytes) as they are generated; ``close()`` stops."""
+
+    def __init__(self, handle, sample_rate=None):
+        self.handle = handle
+        self.done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.done:
+            raise StopIteration
+        chunk = _call(_speech.next_chunk, self.handle)
+        if not chunk:
+            self.close()
+            raise StopIteration
+        return bytes(chunk)
+
+    def close(self):
+        if not self.done:
+            self.done = True
+            _call(_speech.close_stream, self.handle)
+
+
+def speak_stream(
+    text, model=None, speaker="0", temperature=None, top_k=None, seed=None, max_duration=None, chunk_frames=0
+):
+    opts = _speech_options(speaker, temperature, top_k, seed, max_duration)
+    return SpeechStream(_call(_speech.speak_stream, _name(model, "speech"), text, opts, int(chunk_frames)))

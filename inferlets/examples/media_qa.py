@@ -1,0 +1,41 @@
+"""Image and video question answering: place the media in a user turn with the question,
+cue, generate. Sends the media's facts (known before any forward pass) first."""
+
+import base64
+import json
+
+from pie_sdk import Context, Image, Video, receive, send
+
+
+def media_bytes(arg):
+    """Base64 bytes from the argument, or from the launcher's next message when it is "-"."""
+    text = receive() if arg == "-" else arg
+    if text is None:
+        raise ValueError("expected the media bytes as a message")
+    return base64.b64decode(text)
+
+
+def _facts(info):
+    return {
+        "kind": info.kind,
+        "token_count": info.token_count,
+        "rows": info.rows,
+        "grid": list(info.grid),
+        "position_span": info.position_span,
+        "frame_count": info.frame_count,
+        "timestamps": [round(t, 4) for t in info.timestamps],
+    }
+
+
+def image_qa(model, question, n, data):
+    image = Image.from_bytes(media_bytes(data), model)
+    send(json.dumps(_facts(image.info(model))))
+    ctx = Context(model).user(image, question).cue()
+    return ctx.generate(max_tokens=int(n))
+
+
+def video_qa(model, question, n, max_frames, data):
+    video = Video.from_bytes(media_bytes(data), model, max_frames=int(max_frames))
+    send(json.dumps(_facts(video.info(model))))
+    ctx = Context(model).user(video, question).cue()
+    return ctx.generate(max_tokens=int(n))

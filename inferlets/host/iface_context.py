@@ -1,0 +1,193 @@
+"""``context``: create, fill, turns, cue, flush, generate, decode step, fork, save/open,
+truncate, drop. Every call runs on the event loop (see ``state``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine import Context, Model, Sampler, stopping
+from inferlets.host.errors import InferletLimitError
+from inferlets.host.iface_media import MediaItem
+from inferlets.host.state import RunState
+from inferlets.host.wit_values import field, part, record
+from media import InvalidRequestError
+
+ROLES = ("system", "user", "assistant")
+MAX_DIST = 4096
+
+
+def sampler_of(r: Any) -> tuple[Sampler, int | None]:
+    k = int(field(r, "top-k"))
+    s = Sampler(
+        temperature=float(field(r, "temperature")),
+        topk=k or None,
+        topp=float(field(r, "top-p")),
+        minp=float(field(r, "min-p")),
+    )
+    return s, field(r, "seed")
+
+
+class ContextCalls:
+    FUNCS = {
+        "create": ("create", False, True),
+        "fill": ("fill", False, True),
+        "fill-tokens": ("fill_tokens", False, True),
+        "turn": ("turn", False, True),
+        "append-media": ("append_media", False, True),
+        "cue": ("cue", False, True),
+        "flush": ("flush", False, True),
+        "generate": ("generate", True, True),
+        "generate-all": ("generate_all", False, True),
+        "decode-step": ("decode_step", True, True),
+        "decode-step-all": ("decode_step_all", False, True),
+        "fork": ("fork", False, True),
+        "save": ("save", False, True),
+        "open": ("open", False, True),
+        "delete-saved": ("delete_saved", False, True),
+        "truncate": ("truncate", False, True),
+        "token-ids": ("token_ids", False, True),
+        "drop": ("drop", False, True),
+    }
+
+    def __init__(self, run: RunState):
+        self.run = run
+
+    def _ctx(self, h: int) -> Context:
+        return self.run.handles.get(h, "context")
+
+    def create(self, model: str) -> int:
+        m = self.run.model(model, Model)
+        return self.run.handles.add("context", self.run.on_loop(Context, m))
+
+    def fill(self, h: int, text: str) -> None:
+        self.run.on_loop(self._ctx(h).fill, self.run.text(text))
+
+    def fill_tokens(self, h: int, ids: list[int]) -> None:
+        self.run.buffer(ids, "token ids", 4)
+        self.run.on_loop(self._ctx(h).fill_tokens, ids)
+
+    def turn(self, h: int, role: str, parts: list[Any]) -> None:
+        ctx = self._ctx(h)
+        if role not in ROLES:
+            raise InvalidRequestError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        content: list[Any] = []
+        for p in parts:
+            tag, value = part(p)
+            if tag == "text":
+                content.append(self.run.text(value))
+            else:
+                content.append(self._media_for(ctx, value))
+        self.run.on_loop(getattr(ctx, role), *content)
+
+    def _media_for(self, ctx: Context, h: int) -> Any:
+        item: MediaItem = self.run.handles.get(h, "media")
+        if item.model is not ctx.model:
+            raise InvalidRequestError(
+                f"media handle {h} was prepared for model {item.model_name!r}, not this context's"
+            )
+        return item.prepared
+
+    def append_media(self, h: int, m: int) -> None:
+        ctx = self._ctx(h)
+        prepared = self._media_for(ctx, m)
+        self.run.on_loop(getattr(ctx, f"append_{prepared.kind}"), prepared)
+
+    def cue(self, h: int) -> None:
+        self.run.on_loop(self._ctx(h).cue)
+
+    def flush(self, h: int) -> None:
+        self.run.wait_for(self._ctx(h).flush())
+
+    def _stop(self, ctx: Context, stop: Any) -> stopping.StopCondition:
+        n = int(field(stop, "max-tokens"))
+        if not 1 <= n <= self.run.limits.max_tokens:
+            raise InferletLimitError(
+                f"max-tokens must be 1..{self.run.limits.max_tokens}, got {n}",
+                limit=self.run.limits.max_tokens,
+            )
+        cond: stopping.StopCondition = stopping.max_tokens(n)
+        strings = [self.run.text(x, "a stop string") for x in field(stop, "stop-strings")]
+        if strings:
+            cond = cond | stopping.stop_strings(*strings)
+        if field(stop, "eos") and ctx.model.eos_token_ids:
+            cond = cond | stopping.eos(ctx.model.eos_token_ids)
+        return cond
+
+    def _contexts(self, hs: list[int]) -> list[Context]:
+        ctxs = [self._ctx(h) for h in hs]
+        if len(set(map(id, ctxs))) != len(ctxs):
+            raise InvalidRequestError("a context is listed twice")
+        return ctxs
+
+    def generate(self, h: int, sampler: Any, stop: Any) -> Any:
+        return self.generate_all([h], [sampler], stop)[0]
+
+    def generate_all(self, hs: list[int], samplers: list[Any], stop: Any) -> list[Any]:
+        ctxs = self._contexts(hs)
+        if len(samplers) not in (1, len(ctxs)):
+            raise InvalidRequestError(
+                f"give one sampler or one per context ({len(ctxs)}), not {len(samplers)}"
+            )
+        parsed = [sampler_of(s) for s in samplers] * (len(ctxs) if len(samplers) == 1 else 1)
+        conds = [self._stop(c, stop) for c in ctxs]
+
+        async def one(ctx: Context, s: Sampler, seed: int | None, cond: stopping.StopCondition) -> Any:
+            if seed is not None:
+                ctx.reseed(seed)
+            return await ctx.generate(s, cond)
+
+        async def go() -> list[Any]:
+            return await asyncio.gather(
+                *(one(c, s, seed, cond) for c, (s, seed), cond in zip(ctxs, parsed, conds, strict=True))
+            )
+
+        return [
+            record(text=g.text, tokens=list(g.tokens), finish_reason=g.finish_reason)
+            for g in self.run.wait_for(go())
+        ]
+
+    def decode_step(self, h: int, top_k: int) -> Any:
+        return self.decode_step_all([h], top_k)[0]
+
+    def decode_step_all(self, hs: list[int], top_k: int) -> list[Any]:
+        ctxs = self._contexts(hs)
+        if not 1 <= top_k <= MAX_DIST:
+            raise InvalidRequestError(f"top-k must be 1..{MAX_DIST}, got {top_k}")
+
+        async def go() -> list[Any]:
+            return await asyncio.gather(*(c.decode_step_dist(top_n=top_k) for c in ctxs))
+
+        return [record(ids=d.ids.tolist(), probs=d.probs.tolist()) for d in self.run.wait_for(go())]
+
+    def fork(self, h: int) -> int:
+        return self.run.handles.add("context", self.run.on_loop(self._ctx(h).fork))
+
+    def save(self, h: int, name: str, overwrite: bool) -> None:
+        ctx = self._ctx(h)
+        if self.run.saves >= self.run.limits.max_saves:
+            raise InferletLimitError(
+                f"a run may save at most {self.run.limits.max_saves} contexts",
+                limit=self.run.limits.max_saves,
+            )
+        self.run.on_loop(lambda: ctx.save(self.run.text(name, "a name"), overwrite=overwrite))
+        self.run.saves += 1
+
+    def open(self, model: str, name: str) -> int:
+        m = self.run.model(model, Model)
+        self.run.text(name, "a name")
+        return self.run.handles.add("context", self.run.on_loop(Context.open, m, name))
+
+    def delete_saved(self, model: str, name: str) -> None:
+        m = self.run.model(model, Model)
+        self.run.on_loop(m.delete_saved, self.run.text(name, "a name"))
+
+    def truncate(self, h: int, n: int) -> None:
+        self.run.on_loop(self._ctx(h).truncate, n)
+
+    def token_ids(self, h: int) -> list[int]:
+        ctx = self._ctx(h)
+        return self.run.on_loop(lambda: ctx.token_ids)
+
+    def drop(self, h: int) -> None:
+        self.run.handles.drop(h, "context")

@@ -1,0 +1,25 @@
+"""Per-run budgets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """What one run may use. Every budget ends the run (or the host call) with a typed
+    error: guest linear memory (``memory_bytes``, a trap), fuel (CPU, a trap), wall clock
+    (``wall_s``: epoch interruption in the guest, a deadline on every blocking host call),
+    live handles (contexts + media + speech streams), the size of any text or buffer the
+    guest passes in, and how many names one run may save."""
+
+    memory_bytes: int = 256 << 20
+    fuel: int = 2_000_000_000
+    wall_s: float = 60.0
+    max_handles: int = 64
+    max_text_bytes: int = 1 << 20
+    max_buffer_bytes: int = 64 << 20
+    max_tokens: int = 4096
+    """Most tokens one generate call may ask for."""
+    max_saves: int = 16
+    """Names one run may save (saved contexts outlive the run and keep their pages)."""

@@ -1,0 +1,128 @@
+"""One run's state on the host: its handles, budgets, and the bridge to the event loop.
+
+The guest runs on a worker thread. Every engine call that touches a context runs on the
+server's event loop (``on_loop`` / ``wait_for``), so contexts see the same single-threaded
+use they get in-process and concurrent runs share the scheduler's batched passes. Every
+wait is bounded by the run's deadline and ends at once when the launcher cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from inferlets.host.control import InferletRun
+from inferlets.host.errors import (
+    InferletCancelledError,
+    InferletLimitError,
+    InferletTimeoutError,
+    UnknownModelError,
+)
+from inferlets.host.handles import HandleTable
+from inferlets.host.limits import RunLimits
+
+POLL_S = 0.05
+
+
+class RunState:
+    def __init__(
+        self,
+        models: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+        args: list[str],
+        on_send: Callable[[str], None],
+        limits: RunLimits,
+        control: InferletRun | None,
+    ):
+        from engine import Context
+
+        self.models = models
+        self.loop = loop
+        self.args = list(args)
+        self.on_send = on_send
+        self.limits = limits
+        self.control = control
+        self.deadline = time.monotonic() + limits.wall_s
+        self.saves = 0
+        self.host_errors: list[str] = []
+        self.handles = HandleTable(
+            limits.max_handles,
+            {
+                "context": lambda c: self._close_context(Context.close, c),
+                "speech-stream": lambda g: g.close(),
+            },
+        )
+
+    # -- budgets ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Refuse any further host call once the run is cancelled or past its deadline."""
+        if self.control is not None and self.control.cancelled:
+            raise InferletCancelledError("the run was cancelled")
+        if time.monotonic() >= self.deadline:
+            raise InferletTimeoutError(f"the run passed its {self.limits.wall_s} s deadline")
+
+    def text(self, s: str, what: str = "text") -> str:
+        n = len(s.encode("utf-8", "surrogatepass"))
+        if n > self.limits.max_text_bytes:
+            raise InferletLimitError(
+                f"{what} of {n} bytes is over the limit of {self.limits.max_text_bytes}",
+                limit=self.limits.max_text_bytes,
+                actual=n,
+            )
+        return s
+
+    def buffer(self, data: bytes | list[int], what: str = "buffer", item_bytes: int = 1) -> None:
+        n = len(data) * item_bytes
+        if n > self.limits.max_buffer_bytes:
+            raise InferletLimitError(
+                f"{what} of {n} bytes is over the limit of {self.limits.max_buffer_bytes}",
+                limit=self.limits.max_buffer_bytes,
+                actual=n,
+            )
+
+    # -- models -----------------------------------------------------------------------------
+    def model(self, name: str, kind: type | None = None) -> Any:
+        m = self.models.get(name)
+        if m is None or (kind is not None and not isinstance(m, kind)):
+            what = "" if kind is None else f" {kind.__name__}"
+            raise UnknownModelError(f"no{what} model named {name!r}; have {sorted(self.models)}", model=name)
+        return m
+
+    # -- the bridge -------------------------------------------------------------------------
+    def wait_for(self, coro: Coroutine[Any, Any, Any], *, bounded: bool = True) -> Any:
+        """Run ``coro`` on the loop and wait; past the deadline or on cancel the coroutine is
+        cancelled and a typed error raised (``bounded=False``: cleanup, never interrupted)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        if not bounded:
+            return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=POLL_S)
+            except concurrent.futures.TimeoutError:
+                try:
+                    self.check()
+                except Exception:
+                    fut.cancel()
+                    raise
+
+    def on_loop(self, fn: Callable[..., Any], *a: Any, bounded: bool = True) -> Any:
+        """Call the synchronous ``fn`` on the loop's thread (engine state is not shared
+        across threads) and return its result."""
+
+        async def call() -> Any:
+            return fn(*a)
+
+        return self.wait_for(call(), bounded=bounded)
+
+    def _close_context(self, close: Callable[[Any], None], ctx: Any) -> None:
+        if self.loop.is_running() and not self.loop.is_closed():
+            self.on_loop(close, ctx, bounded=False)
+        else:
+            close(ctx)
+
+    def close(self) -> None:
+        """Close every live handle: contexts return their pages, streams release the model."""
+        self.handles.close_all()
