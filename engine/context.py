@@ -23,6 +23,7 @@ anyone's history.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -38,7 +39,7 @@ from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.grammar import Grammar, GrammarMatcher
 from engine.lora import AdapterStack
 from engine.page_hashing import MediaRow
-from engine.page_table import PageTable
+from engine.page_table import PageTable, rows_key
 from media import check_int
 
 if TYPE_CHECKING:
@@ -655,12 +656,16 @@ class Context:
                 # Published pages matching pending rows (the prefix cache); the last row is
                 # always computed (its output is what this prefill is for).
                 self._n = self._table.reuse(self._rows, self._n, limit=total - 1)
+                if self._take_tail(total):
+                    break  # the rest, and the last row's output, were kept by an earlier prefill
             start = self._n
             end = self._chunk_end(start, total)
             step = self._build_step(start, end, want if end == total or every else "none")
             result = await self.model.scheduler.submit(step)
             self._n = end
             self._table.publish(self._rows, end)
+            if end == total and want == "hidden":
+                self._put_tail(total, result)
             if every and result is not None:
                 collected.append(result)
             if end == total:
@@ -676,6 +681,46 @@ class Context:
         if want == "states":
             return torch.cat(collected) if collected else torch.empty(0, self.model.arch.hidden_size)
         return None
+
+    def _tail_key(self, start: int, end: int) -> bytes | None:
+        """Key of rows ``[start, end)``, the (partial) last page of a prefill, chained to the
+        full pages before it; None when those pages are not all keyed."""
+        ps = self.model.pool.page_size
+        keys = self._table.keys
+        if start % ps or not 0 < end - start <= ps or len(keys) < start // ps:
+            return None
+        parent = keys[start // ps - 1] if start else None
+        key = rows_key(parent, self._rows[start:end], self._table._page_salt(start // ps))
+        return hashlib.blake2b(b"tail" + key, digest_size=16).digest()
+
+    def _take_tail(self, total: int) -> bool:
+        """Commit the pending rows ``[committed, total)`` at once when they are the partial
+        last page of an earlier prefill with this exact history (``KVPool.take_tail``):
+        their K/V is copied into this context's page and the last row's kept final hidden
+        state stands in for its output. False (nothing changed) otherwise."""
+        start, pool = self._n, self.model.pool
+        key = self._tail_key(start, total)
+        if key is None or not pool.has_tail(key):
+            return False
+        self._table.reserve(start, total)
+        taken = pool.take_tail(key, self._table.pages[start // pool.page_size])
+        if taken is None:
+            return False
+        self._n = total
+        self._table.publish(self._rows, total)
+        self._last_logits, self._last_hidden = None, taken[1]
+        return True
+
+    def _put_tail(self, total: int, hidden: torch.Tensor | None) -> None:
+        """Keep the last (partial) page of a finished prefill and its last row's final hidden
+        state, for a later context that fills exactly these rows (``_take_tail``)."""
+        if hidden is None:
+            return
+        ps = self.model.pool.page_size
+        start = (total - 1) // ps * ps
+        key = self._tail_key(start, total)
+        if key is not None:
+            self.model.pool.put_tail(key, self._table.pages[start // ps], total - start, hidden)
 
     def _chunk_end(self, start: int, total: int) -> int:
         limit = self.model.max_prefill_rows

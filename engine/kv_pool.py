@@ -15,6 +15,15 @@ Page states:
 
 Every operation that can fail checks first and changes nothing when it raises
 (``OutOfPagesError``): a context that asked for too much stays as it was.
+
+Tails. Only full pages are content-addressed; a prefill that ends inside a page leaves
+a partial last page whose rows a later context with exactly the same history could
+reuse too. ``put_tail`` keeps a copy of those rows (outside the pages, so page
+accounting is unchanged) together with the last row's output, under a key that chains
+the full pages before them (``engine.context`` builds it); ``take_tail`` writes them
+into a page of the taker's. So a prompt flushed before (the same prefix and image, a
+saved preamble) is taken whole, without a forward pass. At most ``tail_entries`` are
+kept, least recently used evicted first.
 """
 
 from __future__ import annotations
@@ -29,6 +38,14 @@ import torch
 from engine.errors import OutOfPagesError
 from engine.page_hashing import PageKey
 from media import check_int
+
+
+@dataclass
+class _Tail:
+    rows: int
+    k: list[torch.Tensor | None]
+    v: list[torch.Tensor | None]
+    output: object
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,8 @@ class PoolStats:
     cached: int
     free: int
     bytes_per_page: int
+    tails: int = 0
+    """Partial last pages kept with their last row's output (``KVPool.put_tail``)."""
 
     @property
     def available(self) -> int:
@@ -74,9 +93,14 @@ class KVPool:
         page_size: int = 32,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tail_entries: int | None = None,
     ):
         page_size = check_int("page_size", page_size, min=1)
         num_pages = check_int("num_pages", num_pages, min=1)
+        self.tail_entries = (
+            max(8, num_pages // 32) if tail_entries is None else check_int("tail_entries", tail_entries, min=0)
+        )
+        """How many partial last pages ``put_tail`` keeps (each at most one page of K/V)."""
         self.layers = list(layers)
         self.page_size = page_size
         self.num_pages = num_pages
@@ -105,6 +129,7 @@ class KVPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # refcount-0 pages with a key, LRU first
         self._key_of: dict[int, PageKey] = {}
         self._page_of: dict[PageKey, int] = {}
+        self._tails: OrderedDict[PageKey, _Tail] = OrderedDict()  # LRU first
 
     # -- storage --------------------------------------------------------------------------
     def storage_layer(self, layer: int) -> int:
@@ -135,6 +160,7 @@ class KVPool:
                 cached=len(self._cached),
                 free=len(self._free),
                 bytes_per_page=self.bytes_per_page,
+                tails=len(self._tails),
             )
 
     def available(self) -> int:
@@ -230,3 +256,49 @@ class KVPool:
         key = self._key_of.pop(page, None)
         if key is not None and self._page_of.get(key) == page:
             del self._page_of[key]
+
+    # -- partial last pages -------------------------------------------------------------------
+    def has_tail(self, key: PageKey) -> bool:
+        with self._lock:
+            return key in self._tails
+
+    def put_tail(self, key: PageKey, page: int, rows: int, output: object) -> None:
+        """Keep a copy of rows ``[0, rows)`` of ``page`` (held by the caller) and ``output``
+        (what the last of them produced) under ``key``; a key already kept is only touched."""
+        if not 0 < rows <= self.page_size:
+            raise ValueError(f"a tail holds 1..{self.page_size} rows, got {rows}")
+        with self._lock:
+            if self.tail_entries == 0:
+                return
+            if key in self._tails:
+                self._tails.move_to_end(key)
+                return
+            if self._ref[page] <= 0:
+                raise RuntimeError(f"put_tail of unheld page {page}")
+            k = [None if t is None else t[page, :rows].clone() for t in self.k]
+            v = [None if t is None else t[page, :rows].clone() for t in self.v]
+            self._tails[key] = _Tail(rows, k, v, output)
+            while len(self._tails) > self.tail_entries:
+                self._tails.popitem(last=False)
+
+    def take_tail(self, key: PageKey, page: int) -> tuple[int, object] | None:
+        """Write the rows kept under ``key`` into rows ``[0, rows)`` of ``page`` (held by the
+        caller, who may write it); returns (rows, output), or None when nothing is kept."""
+        with self._lock:
+            tail = self._tails.get(key)
+            if tail is None:
+                return None
+            if self._ref[page] <= 0:
+                raise RuntimeError(f"take_tail into unheld page {page}")
+            self._tails.move_to_end(key)
+            for dst, src in zip(self.k, tail.k, strict=True):
+                if dst is not None and src is not None:
+                    dst[page, : tail.rows] = src
+            for dst, src in zip(self.v, tail.v, strict=True):
+                if dst is not None and src is not None:
+                    dst[page, : tail.rows] = src
+            return tail.rows, tail.output
+
+    def clear_tails(self) -> None:
+        with self._lock:
+            self._tails.clear()
