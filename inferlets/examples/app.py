@@ -9,6 +9,7 @@ import best_of
 import hostile
 import media_qa
 import search
+import tour
 import tts
 from pie_sdk import Context, inferlet
 
@@ -26,6 +27,7 @@ EXAMPLES = {
     "tts-stream": tts.tts_stream,
     "best-of": best_of.best_of,
     "beam": search.beam,
+    "tour": tour.tour,
     **hostile.CASES,
 }
 

@@ -1,5 +1,6 @@
 """Image and video question answering: place the media in a user turn with the question,
-cue, generate. Sends the media's facts (known before any forward pass) first."""
+cue, generate. Sends the media's facts (known before any forward pass) first; returns the
+greedy answer as JSON (text, tokens, finish_reason)."""
 
 import base64
 import json
@@ -27,15 +28,21 @@ def _facts(info):
     }
 
 
+def _answer(ctx, n):
+    """The greedy answer as JSON: text, tokens, finish reason."""
+    g = ctx.generate_full(max_tokens=int(n))
+    return json.dumps({"text": g.text, "tokens": g.tokens, "finish_reason": g.finish_reason})
+
+
 def image_qa(model, question, n, data):
     image = Image.from_bytes(media_bytes(data), model)
     send(json.dumps(_facts(image.info(model))))
     ctx = Context(model).user(image, question).cue()
-    return ctx.generate(max_tokens=int(n))
+    return _answer(ctx, n)
 
 
 def video_qa(model, question, n, max_frames, data):
     video = Video.from_bytes(media_bytes(data), model, max_frames=int(max_frames))
     send(json.dumps(_facts(video.info(model))))
     ctx = Context(model).user(video, question).cue()
-    return ctx.generate(max_tokens=int(n))
+    return _answer(ctx, n)

@@ -193,6 +193,8 @@ class InferletRuntime:
             store.close()
         if state.control is not None and state.control.cancelled:
             raise InferletCancelledError("the run was cancelled")
+        if state.ended_by is not None:
+            raise state.ended_by
         if isinstance(out, wc.Variant):
             if out.tag == "ok":
                 return str(out.payload)

@@ -47,6 +47,9 @@ class RunState:
         self.control = control
         self.deadline = time.monotonic() + limits.wall_s
         self.saves = 0
+        self.ended_by: Exception | None = None
+        """Set when a host call was refused for cancel or deadline: how the run ends, whatever
+        the guest makes of that call's error."""
         self.host_errors: list[str] = []
         self.handles = HandleTable(
             limits.max_handles,
@@ -60,9 +63,11 @@ class RunState:
     def check(self) -> None:
         """Refuse any further host call once the run is cancelled or past its deadline."""
         if self.control is not None and self.control.cancelled:
-            raise InferletCancelledError("the run was cancelled")
+            self.ended_by = InferletCancelledError("the run was cancelled")
+            raise self.ended_by
         if time.monotonic() >= self.deadline:
-            raise InferletTimeoutError(f"the run passed its {self.limits.wall_s} s deadline")
+            self.ended_by = InferletTimeoutError(f"the run passed its {self.limits.wall_s} s deadline")
+            raise self.ended_by
 
     def text(self, s: str, what: str = "text") -> str:
         n = len(s.encode("utf-8", "surrogatepass"))

@@ -1,0 +1,120 @@
+"""Hostile inferlets: each ends with a typed error, its KV pages return to the pool, and a
+good inferlet running at the same time finishes with the right answer."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import pytest
+
+from engine import Context
+from inferlets import (
+    InferletCancelledError,
+    InferletFailedError,
+    InferletRun,
+    InferletTimeoutError,
+    InferletTrapError,
+    RunLimits,
+)
+from tests.inferlets import direct
+
+LIMITS = RunLimits(
+    fuel=400_000_000, wall_s=20, max_handles=12, max_text_bytes=100_000, max_buffer_bytes=500_000
+)
+PNG = base64.b64encode(direct.png(16, 16)).decode()
+
+
+async def _direct(model, prompt: str, n: int) -> str:
+    c = Context(model).user(prompt).cue()
+    try:
+        return (await c.generate(max_tokens=n)).text
+    finally:
+        c.close()
+
+
+def _against_good(rt, wasm, model, args, limits=LIMITS, control=None, after=None):
+    """Run ``args`` beside a good chat inferlet; returns the bad run's exception."""
+    in_use = model.pool.stats().in_use
+
+    async def main():
+        bad = asyncio.ensure_future(rt.run_async(wasm, args, limits=limits, control=control))
+        good = asyncio.ensure_future(rt.run_async(wasm, ["chat", "tiny", "Hello", "8"]))
+        if after is not None:
+            await after()
+        res = await asyncio.gather(bad, good, return_exceptions=True)
+        assert res[1] == await _direct(model, "Hello", 8), res[1]
+        return res[0]
+
+    err = asyncio.run(main())
+    assert model.pool.stats().in_use == in_use  # every page of both runs is back
+    assert model.open_contexts == 0
+    return err
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["forged"], "inferlet_bad_handle"),
+        (["closed"], "inferlet_bad_handle"),
+        (["handles", "tiny"], "inferlet_limit"),
+        (["media-handles", "tiny", PNG], "inferlet_limit"),
+        (["oversized", "tiny", "200000"], "inferlet_limit"),
+        (["oversized-media", "tiny", "600000"], "inferlet_limit"),
+    ],
+)
+def test_typed_error_from_host_call(rt, wasm, model, args, code) -> None:
+    err = _against_good(rt, wasm, model, args)
+    assert isinstance(err, InferletFailedError), err
+    assert err.details["guest_code"] == code and err.code == "inferlet_failed"
+
+
+def test_runaway_loop_runs_out_of_fuel(rt, wasm, model) -> None:
+    err = _against_good(rt, wasm, model, ["loop"])
+    assert isinstance(err, InferletTrapError) and "fuel" in str(err)
+
+
+def test_runaway_loop_hits_the_wall_clock(rt, wasm, model) -> None:
+    t0 = time.monotonic()
+    err = _against_good(rt, wasm, model, ["loop"], RunLimits(fuel=10**15, wall_s=1.5))
+    assert isinstance(err, InferletTimeoutError) and err.code == "inferlet_timeout"
+    assert time.monotonic() - t0 < 15
+
+
+def test_memory_bomb_traps(rt, wasm, model) -> None:
+    err = _against_good(rt, wasm, model, ["bomb"], RunLimits(memory_bytes=64 << 20))
+    assert isinstance(err, InferletTrapError)
+
+
+def test_guest_that_swallows_errors_still_times_out(rt, wasm, model) -> None:
+    err = _against_good(rt, wasm, model, ["ignore-errors"], RunLimits(fuel=10**15, wall_s=1.5))
+    assert isinstance(err, InferletTimeoutError)
+
+
+def test_waiting_receive_times_out(rt, wasm, model) -> None:
+    err = _against_good(
+        rt, wasm, model, ["image-qa", "tiny", "q", "4", "-"], RunLimits(wall_s=1.0), control=InferletRun()
+    )
+    assert isinstance(err, InferletTimeoutError)
+
+
+def test_cancel_ends_a_waiting_run(rt, wasm, model) -> None:
+    control = InferletRun()
+
+    async def cancel_soon():
+        await asyncio.sleep(0.5)
+        control.cancel()
+
+    t0 = time.monotonic()
+    err = _against_good(
+        rt, wasm, model, ["image-qa", "tiny", "q", "4", "-"], control=control, after=cancel_soon
+    )
+    assert isinstance(err, InferletCancelledError) and err.code == "inferlet_cancelled"
+    assert time.monotonic() - t0 < 15
+
+
+def test_unknown_model_is_typed(rt, wasm) -> None:
+    with pytest.raises(InferletFailedError) as e:
+        asyncio.run(rt.run_async(wasm, ["chat", "nope", "Hi", "2"]))
+    assert e.value.details["guest_code"] == "model_not_found"
