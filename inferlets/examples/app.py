@@ -23,6 +23,7 @@ EXAMPLES = {
     "chat": chat,
     "image-qa": media_qa.image_qa,
     "video-qa": media_qa.video_qa,
+    "audio-qa": media_qa.audio_qa,
     "tts": tts.tts,
     "tts-stream": tts.tts_stream,
     "best-of": best_of.best_of,

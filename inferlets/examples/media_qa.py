@@ -1,11 +1,11 @@
-"""Image and video question answering: place the media in a user turn with the question,
+"""Image, video and audio question answering: place the media in a user turn with the question,
 cue, generate. Sends the media's facts (known before any forward pass) first; returns the
 greedy answer as JSON (text, tokens, finish_reason)."""
 
 import base64
 import json
 
-from pie_sdk import Context, Image, Video, receive, send
+from pie_sdk import Audio, Context, Image, Video, receive, send
 
 
 def media_bytes(arg):
@@ -45,4 +45,11 @@ def video_qa(model, question, n, max_frames, data):
     video = Video.from_bytes(media_bytes(data), model, max_frames=int(max_frames))
     send(json.dumps(_facts(video.info(model))))
     ctx = Context(model).user(video, question).cue()
+    return _answer(ctx, n)
+
+
+def audio_qa(model, question, n, data):
+    audio = Audio.from_bytes(media_bytes(data), model)
+    send(json.dumps(_facts(audio.info(model))))
+    ctx = Context(model).user(audio, question).cue()
     return _answer(ctx, n)

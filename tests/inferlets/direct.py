@@ -41,6 +41,15 @@ def mp4(frames: int = 6, size: int = 48, fps: int = 4) -> bytes:
     return buf.getvalue()
 
 
+def wav(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    import soundfile as sf
+
+    t = np.arange(int(seconds * rate), dtype=np.float64) / rate
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, format="WAV")
+    return buf.getvalue()
+
+
 def facts(p) -> dict:
     return {
         "kind": p.kind,

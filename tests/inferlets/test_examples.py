@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from inferlets import InferletRun
-from media import Image, Video
+from media import Audio, Image, Video
 from tests.inferlets import direct
 
 
@@ -46,6 +46,25 @@ def test_video_qa_equals_engine_bytes_by_message(rt, wasm, model) -> None:
     assert got == want_facts
     assert got["kind"] == "video" and got["frame_count"] == 4 and len(got["timestamps"]) >= 1
     assert json.loads(out) == want
+
+
+def test_audio_qa_on_gemma_equals_engine(wasm) -> None:
+    """Audio input (Gemma-4): facts and greedy answer as the engine's."""
+    from api.model_ref import load_model
+    from fixtures.paths import cache_root
+    from inferlets import InferletRuntime
+
+    gemma = load_model("tiny-gemma4")
+    rt = InferletRuntime({"gemma": gemma}, cache_root())
+    data = direct.wav()
+    out, sends = _run(
+        rt, wasm, ["audio-qa", "gemma", "What do you hear?", "8", base64.b64encode(data).decode()]
+    )
+    want_facts, want = asyncio.run(direct.media_qa(gemma, Audio.from_bytes(data), "What do you hear?", 8))
+    assert json.loads(sends[0]) == want_facts
+    assert want_facts["kind"] == "audio" and want_facts["grid"] == [1, 1, want_facts["token_count"]]
+    assert json.loads(out) == want
+    assert gemma.pool.stats().in_use == 0
 
 
 def _wav_floats(b64: str) -> tuple[int, int, np.ndarray]:
