@@ -9,7 +9,7 @@ import torch
 from engine import SyncContext
 from media import Image
 from tests.engine.conftest import ATOL
-from tests.engine.test_parity_media import IMG_A, _pil, qwen_processor  # noqa: F401
+from tests.engine.test_parity_media import IMG_A, _pil, gemma_processor, qwen_processor  # noqa: F401
 
 WIDTH, STEPS = 4, 6
 
@@ -85,4 +85,20 @@ def test_beam_search_arguments(qwen) -> None:
         ctx.beam_search(2, 4, num_return=3)
     best = ctx.beam_search(2, 3)
     assert len(best) == 1 and best[0].finish_reason in ("eos", "length")
+    ctx.close()
+
+
+def test_gemma_image_beams_equal_transformers(gemma, gemma_ref, gemma_processor) -> None:  # noqa: F811
+    """Gemma-4 with an image: the media block attends bidirectionally and the prompt is
+    longer than the sliding window; beams fork after it and still equal the reference."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    prompt = gemma_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = dict(
+        gemma_processor(text=[prompt], images=[_pil(IMG_A)], max_soft_tokens=70, return_tensors="pt")
+    )
+    sequences, scores = _reference(gemma_ref, inputs, 1.0)
+    image = gemma.prepare(Image.from_bytes(IMG_A), max_soft_tokens=70)
+    ctx = SyncContext(gemma).user(image, "What is it?").cue()
+    hyps = ctx.beam_search(WIDTH, STEPS, eos=(), num_return=WIDTH)
+    _check(hyps, sequences, scores)
     ctx.close()

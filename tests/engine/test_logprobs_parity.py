@@ -9,7 +9,7 @@ import torch
 from engine import Context, Sampler, max_tokens, run_sync
 from media import Image
 from tests.engine.conftest import ATOL
-from tests.engine.test_parity_media import IMG_A, _pil, qwen_processor  # noqa: F401
+from tests.engine.test_parity_media import IMG_A, _pil, gemma_processor, qwen_processor  # noqa: F401
 
 STEPS, TOP = 6, 5
 
@@ -69,3 +69,14 @@ def test_image_logprobs(qwen, qwen_ref, qwen_processor) -> None:  # noqa: F811
     inputs = dict(qwen_processor(text=[prompt], images=[_pil(IMG_A)], return_tensors="pt"))
     tokens, lp = _reference(qwen_ref, inputs)
     _check(_ours(qwen, lambda ctx: ctx.user(Image.from_bytes(IMG_A), "What is it?").cue()), tokens, lp)
+
+
+def test_gemma_image_logprobs(gemma, gemma_ref, gemma_processor) -> None:  # noqa: F811
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    prompt = gemma_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = dict(
+        gemma_processor(text=[prompt], images=[_pil(IMG_A)], max_soft_tokens=70, return_tensors="pt")
+    )
+    tokens, lp = _reference(gemma_ref, inputs)
+    image = gemma.prepare(Image.from_bytes(IMG_A), max_soft_tokens=70)
+    _check(_ours(gemma, lambda ctx: ctx.user(image, "What is it?").cue()), tokens, lp)
