@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
+import threading
 from pathlib import Path
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", default=None, help="model ref (repeatable; default tiny)")
+    p.add_argument("--message", action="append", default=None, help="a message for the guest's receive()")
+    p.add_argument("--stdin", action="store_true", help="each stdin line is a message for receive()")
+    p.add_argument("--wall-s", type=float, default=None, help="wall-clock budget in seconds")
+    p.add_argument("--fuel", type=int, default=None, help="fuel (CPU) budget")
+    p.add_argument("--memory-mb", type=int, default=None, help="guest memory cap in MiB")
+    p.add_argument("--max-handles", type=int, default=None, help="live contexts + media + streams")
 
 
 def add_inferlet_parser(sub: argparse._SubParsersAction) -> None:
@@ -14,16 +26,42 @@ def add_inferlet_parser(sub: argparse._SubParsersAction) -> None:
     b = isub.add_parser("build", help="build a Python inferlet directory (module app.py) into a component")
     b.add_argument("dir", type=Path)
     b.add_argument("-o", "--out", type=Path, default=None, help="output folder (default: the cache)")
-    r = isub.add_parser("run", help="run a component; prints its sends as they come and its result")
+    r = isub.add_parser(
+        "run", help="run a component; prints its sends as they come and its result (Ctrl-C cancels)"
+    )
     r.add_argument("wasm", type=Path)
-    r.add_argument("--model", action="append", default=None, help="model ref (repeatable; default tiny)")
+    _run_options(r)
     r.add_argument("args", nargs=argparse.REMAINDER, help="after --: the inferlet's arguments")
+
+
+def _limits(opts: argparse.Namespace):
+    from dataclasses import replace
+
+    from inferlets import RunLimits
+
+    limits = RunLimits()
+    changes = {
+        "wall_s": opts.wall_s,
+        "fuel": opts.fuel,
+        "memory_bytes": opts.memory_mb << 20 if opts.memory_mb else None,
+        "max_handles": opts.max_handles,
+    }
+    return replace(limits, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _feed_stdin(control) -> None:
+    def pump() -> None:
+        for line in sys.stdin:
+            control.post(line.rstrip("\n"))
+        control.close_input()
+
+    threading.Thread(target=pump, daemon=True, name="inferlet-stdin").start()
 
 
 def run_inferlet(args: argparse.Namespace) -> int:
     """Dispatch the inferlet subcommands; typed errors print and exit 2."""
     from fixtures.paths import cache_root
-    from inferlets import InferletRuntime, build_component
+    from inferlets import InferletCancelledError, InferletRun, InferletRuntime, build_component
     from media import PieMediaError
 
     try:
@@ -35,14 +73,40 @@ def run_inferlet(args: argparse.Namespace) -> int:
         rest = list(args.args)  # REMAINDER swallows options after FILE: split at "--"
         cut = rest.index("--") if "--" in rest else len(rest)
         extra = argparse.ArgumentParser(prog="pie-media inferlet run")
-        extra.add_argument("--model", action="append", default=None)
+        _run_options(extra)
         opts = extra.parse_args(rest[:cut])
+        for name in ("wall_s", "fuel", "memory_mb", "max_handles"):
+            if getattr(opts, name) is None:
+                setattr(opts, name, getattr(args, name))
         guest_args = rest[cut + 1 :]
         refs = (args.model or []) + (opts.model or []) or ["tiny"]
+        control = InferletRun(
+            (args.message or []) + (opts.message or []), close=not (args.stdin or opts.stdin)
+        )
+        if args.stdin or opts.stdin:
+            _feed_stdin(control)
         rt = InferletRuntime({ref: load_model(ref) for ref in refs}, cache_root())
-        out = asyncio.run(rt.run_async(args.wasm, guest_args, on_send=lambda s: print(s, flush=True)))
+        run = rt.run_async(
+            args.wasm,
+            guest_args,
+            on_send=lambda s: print(s, flush=True),
+            limits=_limits(opts),
+            control=control,
+        )
+        # Ctrl-C cancels the run (it ends at its next host call) instead of killing the loop
+        # its host calls need.
+        previous = signal.signal(signal.SIGINT, lambda *_: control.cancel())
+        try:
+            out = asyncio.run(run)
+        except InferletCancelledError:
+            print("pie-media: inferlet_cancelled: interrupted", file=sys.stderr)
+            return 130
+        finally:
+            signal.signal(signal.SIGINT, previous)
         print(out)
         return 0
     except (FileNotFoundError, PieMediaError) as e:
-        print(f"pie-media: {e}", file=sys.stderr)
+        code = getattr(e, "code", None)
+        msg = str(e)
+        print(f"pie-media: {msg if code in (None, 'inferlet_failed') else f'{code}: {msg}'}", file=sys.stderr)
         return 2
