@@ -118,3 +118,20 @@ def test_unknown_model_is_typed(rt, wasm) -> None:
     with pytest.raises(InferletFailedError) as e:
         asyncio.run(rt.run_async(wasm, ["chat", "nope", "Hi", "2"]))
     assert e.value.details["guest_code"] == "model_not_found"
+
+
+def test_host_bug_is_a_typed_error_not_a_crash(rt, wasm, model, monkeypatch) -> None:
+    """An unexpected exception inside a host call reaches the guest as
+    ``inferlet_host_error``; the run ends typed and frees its pages."""
+    from inferlets.host.iface_runtime import ModelCalls
+
+    def broken(self, model, text):
+        raise RuntimeError("simulated host bug")
+
+    monkeypatch.setattr(ModelCalls, "tokenize", broken)
+    in_use = model.pool.stats().in_use
+    with pytest.raises(InferletFailedError) as e:
+        asyncio.run(rt.run_async(wasm, ["tour", "tiny", "Hi", "2"]))
+    assert e.value.details["guest_code"] == "inferlet_host_error"
+    assert "simulated host bug" in str(e.value)
+    assert model.pool.stats().in_use == in_use
