@@ -4,11 +4,14 @@ prints sends then the result; concurrent inferlets share the scheduler's batched
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 
 import pytest
 
 from engine import Context
 from inferlets import InferletRuntime, InvalidComponentError
+from tests.inferlets import direct
 
 
 async def _direct(model, prompt: str, n: int) -> str:
@@ -48,17 +51,26 @@ def test_cached_component_and_bad_bytes(rt, wasm) -> None:
         rt.component(b"\0asm not really")
 
 
-def test_cli_run_prints_sends_then_result(wasm, model) -> None:
+def test_cli_run_prints_sends_then_result(wasm, model, capsys) -> None:
     import subprocess
     import sys
+
+    from api.cli import main
 
     cmd = [sys.executable, "-m", "api.cli", "inferlet", "run", str(wasm), "--model", "tiny", "--"]
     r = subprocess.run([*cmd, "best-of", "tiny", "Hi", "4", "2"], capture_output=True, text=True, timeout=120)
     want = asyncio.run(_direct(model, "Hi", 4))
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [want] * 3
-    bad = subprocess.run([*cmd, "forged"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "inferlet_bad_handle" in bad.stderr
+    # In-process from here on (no second interpreter start): typed errors exit 2 with
+    # their code, messages reach receive().
+    assert main(["inferlet", "run", str(wasm), "--model", "tiny", "--", "forged"]) == 2
+    assert "inferlet_bad_handle" in capsys.readouterr().err
+    png = base64.b64encode(direct.png()).decode()
+    args = ["inferlet", "run", str(wasm), "--model", "tiny", "--message", png, "--wall-s", "30"]
+    assert main([*args, "--", "image-qa", "tiny", "What?", "3", "-"]) == 0
+    facts, answer = capsys.readouterr().out.splitlines()
+    assert json.loads(facts)["kind"] == "image" and len(json.loads(answer)["tokens"]) == 3
 
 
 def test_concurrent_inferlets_share_forward_passes(rt, wasm, model) -> None:
