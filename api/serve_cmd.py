@@ -61,6 +61,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--max-concurrency", type=int, default=None, help="requests in flight per model (then 429)"
     )
     sv.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
+    sv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH[@BASE]",
+        help="serve PEFT LoRA adapters as models NAME on the chat model BASE (default: the first)",
+    )
     sv.add_argument("--log-level", default="info")
 
 
@@ -84,6 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "limit_mm_per_prompt": args.limit_mm_per_prompt,
         "max_concurrency": args.max_concurrency,
         "attention": args.attention,
+        "lora_modules": args.lora_modules,
     }
     try:
         settings = ServeSettings(**{k: v for k, v in values.items() if v is not None})

@@ -22,6 +22,7 @@ from engine import stopping
 from engine.context import Context
 from engine.errors import InvalidRequestError
 from engine.grammar import Grammar
+from engine.lora import Adapter
 from engine.model import Model
 from engine.sampling import Sampler
 
@@ -50,6 +51,8 @@ class CompletionParams:
     """Generate through EOS until ``max_tokens`` or a stop string (benchmarks, load tests)."""
     grammar: Grammar | None = None
     """Every choice's output must match it (``response_format``: JSON schema, regex)."""
+    adapters: tuple[tuple[Adapter, float], ...] = ()
+    """LoRA adapters (with scales) every choice runs under, bottom of the stack first."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class Completion:
         prepared = [await self._prepare_parts(t.parts) for t in self.turns]
         root = Context(self.model, seed=self.params.seed)
         self._contexts.append(root)
+        for adapter, scale in self.params.adapters:
+            root.adapters.push(adapter, scale)
         for turn, parts in zip(self.turns, prepared, strict=True):
             getattr(root, turn.role)(*parts)
         root.cue()

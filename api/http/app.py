@@ -21,7 +21,7 @@ from api.http.job_runner import JobRunner
 from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
-from api.http.registry import ModelRegistry, ServedModel
+from api.http.registry import ModelRegistry, ServedModel, add_lora_modules
 from api.http.routes import ROUTERS, batches, health
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
 from api.http.settings import ServeSettings
@@ -115,6 +115,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
                 ServedModel(name=name, model=model, kind=kind, max_concurrency=settings.max_concurrency)
             )
             log.info("loaded %s as %r (%s)", ref, name, kind)
+        await asyncio.to_thread(add_lora_modules, registry, settings.lora_modules, settings.max_concurrency)
         registry.ready = True
         await service.job_runner.resume_all()  # jobs a killed server left unfinished
         yield

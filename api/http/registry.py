@@ -28,6 +28,11 @@ class ServedModel:
     max_concurrency: int
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0
+    adapter: Any = None
+    """An ``engine.Adapter`` every request to this name runs under (``--lora-modules``);
+    ``model`` is then the base model's engine, shared with it."""
+    parent: str | None = None
+    """The served name of the base model, for an adapter."""
 
     @property
     def architecture(self) -> str:
@@ -52,6 +57,41 @@ class ServedModel:
 
     def __repr__(self) -> str:
         return f"ServedModel({self.name!r}, kind={self.kind!r}, in_flight={self.in_flight}/{self.max_concurrency})"
+
+
+def parse_lora_module(spec: str) -> tuple[str, str, str | None]:
+    """``NAME=PATH`` or ``NAME=PATH@BASE`` -> (name, adapter directory, base served name)."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name.strip() or not rest.strip():
+        raise ValueError(f"--lora-modules expects NAME=PATH or NAME=PATH@BASE, got {spec!r}")
+    path, _, base = rest.rpartition("@") if "@" in rest else (rest, "", "")
+    return name.strip(), path.strip(), base.strip() or None
+
+
+def add_lora_modules(registry: ModelRegistry, specs: list[str], max_concurrency: int) -> None:
+    """Serve each adapter under its own name on its base model's engine (loaded already):
+    requests to it run under the adapter, batched with the base model's other requests."""
+    for spec in specs:
+        name, path, base = parse_lora_module(spec)
+        chat = registry.of_kind("chat")
+        if base is None:
+            bases = [m for m in chat if m.adapter is None]
+            if not bases:
+                raise ValueError(f"--lora-modules {spec!r}: no chat model is served to put it on")
+            parent = bases[0]
+        else:
+            parent = registry.get(base, kind="chat")
+        adapter = parent.model.load_adapter(path, name)
+        registry.add(
+            ServedModel(
+                name=name,
+                model=parent.model,
+                kind="chat",
+                max_concurrency=max_concurrency,
+                adapter=adapter,
+                parent=parent.name,
+            )
+        )
 
 
 class Admission:
@@ -83,8 +123,17 @@ class ModelRegistry:
             raise ValueError(f"two models are served under the name {served.name!r}; use --served-model-name")
         self._models[served.name] = served
 
-    def get(self, name: str, *, kind: str | None = None) -> ServedModel:
+    def get(self, name: str, *, kind: str | None = None, adapters: bool = True) -> ServedModel:
+        """The model served as ``name`` (``adapters=False``: a LoRA adapter name is refused,
+        for endpoints that run the base model only)."""
         served = self._models.get(name)
+        if served is not None and served.adapter is not None and not adapters:
+            raise ServiceError(
+                "invalid_request",
+                f"{name!r} is a LoRA adapter; this endpoint runs base models (use {served.parent!r}) "
+                "or send the request to /v1/chat/completions",
+                param="model",
+            )
         if served is None or (kind is not None and served.kind != kind):
             names = [m.name for m in self._models.values() if kind is None or m.kind == kind]
             what = f"{kind} model" if kind else "model"

@@ -207,6 +207,8 @@ class ModelCard(BaseModel):
     kind: Literal["chat", "speech"]
     architecture: str
     media_kinds: list[str]
+    parent: str | None = None
+    """For a LoRA adapter served with ``--lora-modules``: the base model's name."""
 
 
 class ModelList(BaseModel):

@@ -64,13 +64,25 @@ class ServeSettings(BaseSettings):
     media_fetch_timeout_s: float = Field(default=10.0, gt=0)
     media_fetch_connect_timeout_s: float = Field(default=3.0, gt=0)
     attention: str = "auto"
+    lora_modules: list[str] = Field(default_factory=list)
+    """``NAME=PATH[@BASE]``: serve a PEFT LoRA adapter as model NAME on the served chat model
+    BASE (default: the first one)."""
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora(cls, v: list[str]) -> list[str]:
+        from api.http.registry import parse_lora_module
+
+        for spec in v:
+            parse_lora_module(spec)  # a malformed spec stops the start with its message
+        return v
 
     @field_validator("limit_mm_per_prompt", mode="before")
     @classmethod
     def _mm(cls, v: object) -> dict[str, int]:
         return parse_mm_limits(v)  # type: ignore[arg-type]
 
-    @field_validator("allowed_media_domains", "models", "served_model_names", mode="before")
+    @field_validator("allowed_media_domains", "models", "served_model_names", "lora_modules", mode="before")
     @classmethod
     def _csv(cls, v: object) -> object:
         if isinstance(v, str):

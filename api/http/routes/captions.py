@@ -42,7 +42,7 @@ async def captions(request: Request, service: Service = Depends(get_service)) ->
     try:
         chat = service.models.of_kind("chat")
         name = form.fields.get("model") or (chat[0].name if chat else "")
-        served = service.models.get(name, kind="chat")
+        served = service.models.get(name, kind="chat", adapters=False)
         prompt = form.fields.get("prompt") or DEFAULT_PROMPT
         max_tokens = _int_field(form.fields, "max_tokens", 64, service.settings.max_tokens_limit)
         with served.admit():

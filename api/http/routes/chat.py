@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
 from api.http.errors import ServiceError
+from api.http.registry import ServedModel
 from api.http.schemas import (
     AssistantMessage,
     ChatCompletion,
@@ -56,7 +57,7 @@ async def chat_completions(
 ):
     served = service.models.get(body.model, kind="chat")
     model = served.model
-    params = _params(body, service)
+    params = _params(body, service, served)
     admission = served.admit()
     try:
         turns = await _turns(body.messages, service, set(model.media_kinds))
@@ -86,7 +87,7 @@ async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCo
     API runs its lines through this, the same path as ``POST /v1/chat/completions``. No
     admission slot is taken: a batch bounds its own concurrency."""
     served = service.models.get(body.model, kind="chat")
-    params = _params(body, service)
+    params = _params(body, service, served)
     turns = await _turns(body.messages, service, set(served.model.media_kinds))
     completion = Completion(served.model, turns, params)
     try:
@@ -95,7 +96,7 @@ async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCo
         await completion.aclose()
 
 
-def _params(body: ChatCompletionRequest, service: Service) -> CompletionParams:
+def _params(body: ChatCompletionRequest, service: Service, served: ServedModel) -> CompletionParams:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
             raise InvalidRequestError(f"{name} is not supported by this server; leave it at 0", param=name)
@@ -140,6 +141,7 @@ def _params(body: ChatCompletionRequest, service: Service) -> CompletionParams:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         ignore_eos=body.ignore_eos,
         grammar=grammar,
+        adapters=((served.adapter, 1.0),) if served.adapter is not None else (),
     )
 
 

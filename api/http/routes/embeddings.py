@@ -69,6 +69,11 @@ def _items(value: object) -> list[object]:
 async def embeddings(body: EmbeddingRequest, service: Service = Depends(get_service)) -> EmbeddingResponse:
     served = service.models.get(body.model, kind="chat")
     model = served.model
+    if served.adapter is not None:
+        raise InvalidRequestError(
+            f"{served.name!r} is a LoRA adapter; embeddings come from base models (use {served.parent!r})",
+            param="model",
+        )
     if body.pooling not in POOLINGS:
         raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
     items = _items(body.input)

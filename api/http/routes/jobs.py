@@ -194,7 +194,7 @@ async def create_caption_job(request: Request, service: Service = Depends(get_se
         items = await _items_from_json(service, body)
     chat = service.models.of_kind("chat")
     name = body.model or (chat[0].name if chat else "")
-    service.models.get(name, kind="chat")
+    service.models.get(name, kind="chat", adapters=False)
     if body.max_tokens > service.settings.max_tokens_limit:
         raise InvalidRequestError(
             f"max_tokens over this server's limit of {service.settings.max_tokens_limit}", param="max_tokens"

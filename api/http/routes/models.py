@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from api.http.deps import Service, get_service
+from api.http.registry import ServedModel
 from api.http.schemas import ModelCard, ModelList
 
 router = APIRouter(tags=["models"])
@@ -12,23 +13,20 @@ router = APIRouter(tags=["models"])
 
 @router.get("/v1/models", response_model=ModelList, responses=Service.error_responses(401))
 async def list_models(service: Service = Depends(get_service)) -> ModelList:
-    return ModelList(
-        data=[
-            ModelCard(
-                id=m.name,
-                created=m.created,
-                kind=m.kind,
-                architecture=m.architecture,
-                media_kinds=m.media_kinds,
-            )
-            for m in service.models
-        ]
-    )
+    return ModelList(data=[_card(m) for m in service.models])
 
 
 @router.get("/v1/models/{name}", response_model=ModelCard, responses=Service.error_responses(401, 404))
 async def get_model(name: str, service: Service = Depends(get_service)) -> ModelCard:
-    m = service.models.get(name)
+    return _card(service.models.get(name))
+
+
+def _card(m: ServedModel) -> ModelCard:
     return ModelCard(
-        id=m.name, created=m.created, kind=m.kind, architecture=m.architecture, media_kinds=m.media_kinds
+        id=m.name,
+        created=m.created,
+        kind=m.kind,
+        architecture=m.architecture,
+        media_kinds=m.media_kinds,
+        parent=m.parent,
     )
