@@ -22,6 +22,7 @@ def chat(model, prompt, n):
 EXAMPLES = {
     "chat": chat,
     "image-qa": media_qa.image_qa,
+    "image-raw": media_qa.image_raw,
     "video-qa": media_qa.video_qa,
     "audio-qa": media_qa.audio_qa,
     "tts": tts.tts,

@@ -41,6 +41,13 @@ def image_qa(model, question, n, data):
     return _answer(ctx, n)
 
 
+def image_raw(model, question, n, data):
+    """Pie 0.4.0's shape: the image placed raw (``append``), then the question's turn."""
+    image = Image.from_bytes(media_bytes(data), model)
+    ctx = Context(model).append(image).user(question).cue()
+    return _answer(ctx, n)
+
+
 def video_qa(model, question, n, max_frames, data):
     video = Video.from_bytes(media_bytes(data), model, max_frames=int(max_frames))
     send(json.dumps(_facts(video.info(model))))

@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 
+from engine import Context
 from inferlets import InferletRun
 from media import Audio, Image, Video
 from tests.inferlets import direct
@@ -31,6 +32,15 @@ def test_image_qa_equals_engine(rt, wasm, model) -> None:
     want_facts, want = asyncio.run(direct.media_qa(model, Image.from_bytes(data), "What is this?", 10))
     assert json.loads(sends[0]) == want_facts
     assert want_facts["token_count"] > 0
+    assert json.loads(out) == want
+
+
+def test_image_appended_raw_equals_engine(rt, wasm, model) -> None:
+    data = direct.png(32, 32, seed=3)
+    out, _ = _run(rt, wasm, ["image-raw", "tiny", "Describe it.", "6", base64.b64encode(data).decode()])
+    ctx = Context(model)
+    ctx.append_image(Image.from_bytes(data))
+    want = asyncio.run(direct.answer(ctx.user("Describe it.").cue(), 6))
     assert json.loads(out) == want
 
 
