@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from inferlets.host.errors import InferletLimitError
 from inferlets.host.state import RunState
 from inferlets.host.wit_values import field, record
 from media import InvalidRequestError
@@ -38,6 +39,10 @@ class SpeechCalls:
         if self._streaming:
             # A started stream holds the speech model until it ends or is closed.
             raise InvalidRequestError("close this run's running speech stream before speaking again")
+        cap = self.run.limits.max_speech_s
+        duration = field(o, "max-duration")
+        if duration is not None and duration > cap:
+            raise InferletLimitError(f"max-duration {duration:g} s is over the limit of {cap:g} s", limit=cap)
         top_k = field(o, "top-k")
         speaker = field(o, "speaker") or "0"
         return {
@@ -45,7 +50,7 @@ class SpeechCalls:
             "temperature": field(o, "temperature"),
             "top_k": top_k,
             "seed": field(o, "seed"),
-            "max_duration": field(o, "max-duration"),
+            "max_duration": cap if duration is None else duration,
         }
 
     def speak(self, model: str, text: str, options: Any) -> Any:

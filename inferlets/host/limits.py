@@ -21,5 +21,8 @@ class RunLimits:
     max_buffer_bytes: int = 64 << 20
     max_tokens: int = 4096
     """Most tokens one generate call may ask for."""
+    max_speech_s: float = 30.0
+    """Longest clip one speak call may ask for (speech runs uninterrupted on the run's
+    thread, so its length is bounded up front)."""
     max_saves: int = 16
     """Names one run may save (saved contexts outlive the run and keep their pages)."""

@@ -62,6 +62,7 @@ def _against_good(rt, wasm, model, args, limits=LIMITS, control=None, after=None
         (["media-handles", "tiny", PNG], "inferlet_limit"),
         (["oversized", "tiny", "200000"], "inferlet_limit"),
         (["oversized-media", "tiny", "600000"], "inferlet_limit"),
+        (["tts", "tiny-csm", "Hello.", "0", "1", "1000"], "inferlet_limit"),
     ],
 )
 def test_typed_error_from_host_call(rt, wasm, model, args, code) -> None:
