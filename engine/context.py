@@ -137,6 +137,12 @@ class Context:
         self._closed = False
         self.adapters = AdapterStack()
         """LoRA adapters this context's rows run under (push/pop/clear)."""
+        self.sampler: sampling.Sampler | None = None
+        """What ``generate``/``stream`` sample with when given no sampler (None: greedy);
+        forks and snapshots carry it."""
+        self.stop: stopping.StopCondition | None = None
+        """When ``generate``/``stream`` stop when given no condition (None: the model's EOS
+        ids or ``max_tokens``); forks and snapshots carry it."""
 
     # -- facts ------------------------------------------------------------------------------
     @property
@@ -347,8 +353,8 @@ class Context:
         self._check_open()
         if logprobs is not None:
             check_int("logprobs", logprobs, min=0, max=LOGPROBS_MAX)
-        sampler = sampler or sampling.Sampler.greedy()
-        cond = self._stop_condition(stop, max_tokens)
+        sampler = sampler or self.sampler or sampling.Sampler.greedy()
+        cond = self._stop_condition(stop if stop is not None else self.stop, max_tokens)
         matcher = None
         if grammar is not None:  # the first one per model builds a vocabulary index (~1 s)
             matcher = await asyncio.to_thread(GrammarMatcher, grammar, self.model)
@@ -417,6 +423,7 @@ class Context:
         child._last_logits = self._last_logits
         child._last_hidden = self._last_hidden
         child._chat = self._chat.copy()
+        child.sampler, child.stop = self.sampler, self.stop
         if self._generator is not None:
             child._generator = torch.Generator(device=self._generator.device)
             child._generator.set_state(self._generator.get_state())

@@ -2,7 +2,9 @@
 
 A snapshot holds what rebuilds the context's rows exactly: its text runs (token ids) and
 media spans (each span's ``Prepared``: ids, positions, the model inputs), plus the chat
-state, the sampling seed and generator state, and the model's fingerprint. By default KV
+state, the sampling seed and generator state, the context's default sampler and stop
+condition (``ctx.sampler`` / ``ctx.stop``; a custom sampler is code and stays behind),
+and the model's fingerprint. By default KV
 pages are not stored: a resumed context recomputes them on its next pass (the prefix
 cache makes that free when the same prefix is still published), and then continues
 greedy generation exactly as the original would. ``include_kv=True`` also stores the K/V
@@ -28,8 +30,10 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from engine import stopping
 from engine.chat import ChatState
 from engine.errors import NotASnapshotError, SnapshotCorruptError, SnapshotModelMismatchError
+from engine.sampling import Sampler
 from media.errors import PieMediaError
 
 if TYPE_CHECKING:
@@ -134,6 +138,13 @@ def _restore_kv(ctx: Context, kv: dict[str, Any], tensors: dict[str, torch.Tenso
     table.publish(ctx._rows, n)
 
 
+def _sampler_json(s: Sampler | None) -> dict[str, Any] | None:
+    """The context's default sampler; a custom one is code and is not stored (None)."""
+    if s is None or s.is_custom:
+        return None
+    return {"temperature": s.temperature, "topk": s.topk, "topp": s.topp, "minp": s.minp}
+
+
 def snapshot(ctx: Context, *, include_kv: bool = False) -> bytes:
     segments, spans = _segments(ctx)
     tensors: dict[str, torch.Tensor] = {}
@@ -157,6 +168,8 @@ def snapshot(ctx: Context, *, include_kv: bool = False) -> bytes:
         "chat": {"messages": chat.messages, "open_turn": chat.open_turn, "turn_tokens": chat.turn_tokens},
         "seed": ctx._seed,
         "rows": len(ctx._rows),
+        "sampler": _sampler_json(ctx.sampler),
+        "stop": stopping.to_json(ctx.stop),
     }
     if include_kv:
         manifest["kv"] = _kv(ctx, tensors)
@@ -227,6 +240,9 @@ def resume(model: Model, data: bytes) -> Context:
         if "generator" in tensors:
             ctx._generator = torch.Generator()
             ctx._generator.set_state(tensors["generator"])
+        if manifest.get("sampler") is not None:
+            ctx.sampler = Sampler(**manifest["sampler"])
+        ctx.stop = stopping.from_json(manifest.get("stop"))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise SnapshotCorruptError(f"the snapshot's manifest is inconsistent: {e}") from None
     if len(ctx._rows) != manifest["rows"]:

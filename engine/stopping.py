@@ -208,3 +208,34 @@ def stop_strings(*strings: str, include: bool = False) -> StopStrings:
     (the stop string is excluded, as in the OpenAI API) unless include=True.
     """
     return StopStrings(tuple(strings), include)
+
+
+def to_json(cond: StopCondition | None) -> Any:
+    """A JSON-ready description of a condition built from this module's parts (None for
+    None or for a condition of another kind, which cannot be described)."""
+    if isinstance(cond, MaxTokens):
+        return {"max_tokens": cond.n}
+    if isinstance(cond, Eos):
+        return {"eos": sorted(cond.ids)}
+    if isinstance(cond, StopStrings):
+        return {"stop_strings": list(cond.strings), "include": cond.include}
+    if isinstance(cond, AnyOf):
+        parts = [to_json(c) for c in cond.conditions]
+        return None if any(p is None for p in parts) else {"any": parts}
+    return None
+
+
+def from_json(data: Any) -> StopCondition | None:
+    """The inverse of ``to_json`` (ValueError/KeyError/TypeError on a malformed one)."""
+    if data is None:
+        return None
+    if "max_tokens" in data:
+        return MaxTokens(int(data["max_tokens"]))
+    if "eos" in data:
+        return Eos(frozenset(int(i) for i in data["eos"]))
+    if "stop_strings" in data:
+        return StopStrings(tuple(str(s) for s in data["stop_strings"]), bool(data["include"]))
+    if "any" in data:
+        parts = [from_json(p) for p in data["any"]]
+        return AnyOf(tuple(p for p in parts if p is not None))
+    raise ValueError(f"not a stop condition: {data!r}")

@@ -147,3 +147,27 @@ def test_kv_snapshot_into_another_dtype_is_a_typed_error(qwen, tiny_dir) -> None
     with pytest.raises(SnapshotModelMismatchError, match="dtype|resume without K/V"):
         Context.resume(half, data)
     assert half.pool.available() == 16
+
+
+def test_default_sampler_and_stop_travel(qwen) -> None:
+    """``ctx.sampler`` / ``ctx.stop`` (what generate uses when given nothing) survive a
+    snapshot and a fork; the resumed context's plain ``generate()`` continues as the
+    original's would."""
+    from engine import stop_strings
+
+    original = Context(qwen, seed=4)
+    original.sampler = Sampler.top_k_top_p(0.9, 8, 0.95)
+    original.stop = max_tokens(7) | stop_strings("\n\n", include=True)
+    sync = SyncContext(original).user("Write a line.").cue()
+    data = original.snapshot()
+    assert original.fork().sampler == original.sampler
+    want = sync.generate()
+    resumed = Context.resume(qwen, data)
+    assert resumed.sampler == original.sampler and resumed.stop == original.stop
+    got = SyncContext(resumed).generate()
+    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
+    custom = Context(qwen)
+    custom.sampler = Sampler.custom(lambda ids, ps: ids[0])
+    assert Context.resume(qwen, custom.snapshot()).sampler is None  # code is not stored
+    for c in (original, resumed, custom):
+        c.close()
