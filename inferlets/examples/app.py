@@ -9,6 +9,7 @@ import best_of
 import hostile
 import media_qa
 import search
+import session
 import tour
 import tts
 from pie_sdk import Context, inferlet
@@ -30,6 +31,9 @@ EXAMPLES = {
     "best-of": best_of.best_of,
     "beam": search.beam,
     "tour": tour.tour,
+    "save-prefix": session.save_prefix,
+    "continue": session.resume,
+    "forget": session.forget,
     **hostile.CASES,
 }
 

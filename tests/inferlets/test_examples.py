@@ -130,3 +130,21 @@ def test_tour_of_the_context_api_equals_engine(rt, wasm, model) -> None:
     assert got == want
     assert got["reopened"] == got["greedy"][1]
     assert "tour:Name three colours." not in model.saved_names()
+
+
+def test_prefix_saved_by_one_run_continues_in_others(rt, wasm, model) -> None:
+    in_use = model.pool.stats().in_use
+    rows, _ = _run(rt, wasm, ["save-prefix", "tiny", "Write a haiku.", "haiku"])
+    assert model.pool.stats().in_use > in_use  # the saved prefix keeps its pages after the run
+    outs = []
+    for _ in range(2):
+        computed = model.runner.rows_computed
+        outs.append(_run(rt, wasm, ["continue", "tiny", "haiku", "6"])[0])
+        assert model.runner.rows_computed - computed <= 6  # decode rows only: the prefix is reused
+    ctx = Context(model).user("Write a haiku.").cue()
+    assert len(ctx) == int(rows)
+    want = asyncio.run(direct.answer(ctx, 6))["text"]
+    assert outs == [want, want]
+    assert _run(rt, wasm, ["forget", "tiny", "haiku"])[0] == "ok"
+    assert "haiku" not in model.saved_names()
+    assert model.pool.stats().in_use == in_use
