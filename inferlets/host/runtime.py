@@ -4,11 +4,13 @@ hash, one Store per run with memory, fuel, epoch and handle limits."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib.metadata
 import threading
 import traceback
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +87,14 @@ def _host_func(
 class InferletRuntime:
     """Compiles/caches components and runs them against already-loaded models."""
 
-    def __init__(self, models: Mapping[str, Any], cache_dir: Path, *, limits: RunLimits | None = None):
+    def __init__(
+        self,
+        models: Mapping[str, Any],
+        cache_dir: Path,
+        *,
+        limits: RunLimits | None = None,
+        max_concurrent_runs: int = 64,
+    ):
         cfg = wasmtime.Config()
         cfg.consume_fuel = True
         cfg.epoch_interruption = True
@@ -97,6 +106,9 @@ class InferletRuntime:
         self.limits = limits or RunLimits()
         self._components: dict[str, wc.Component] = {}
         self._lock = threading.Lock()
+        # Guests spend most of their time waiting on host calls: one thread each, more than
+        # asyncio's default executor gives (cores + 4), so concurrent runs batch together.
+        self._threads = ThreadPoolExecutor(max_workers=max_concurrent_runs, thread_name_prefix="inferlet")
 
     def __repr__(self) -> str:
         return f"InferletRuntime(models={sorted(self.models)}, cache={str(self.cache_dir)!r})"
@@ -148,7 +160,8 @@ class InferletRuntime:
         """Run on a worker thread; host calls come back to the running loop. Keywords as
         ``run`` (``on_send``, ``limits``, ``control``)."""
         loop = asyncio.get_running_loop()
-        return await asyncio.to_thread(self.run, wasm, args, loop=loop, **kw)
+        call = functools.partial(self.run, wasm, args, loop=loop, **kw)
+        return await loop.run_in_executor(self._threads, call)
 
     def _linker(self, state: RunState) -> wc.Linker:
         linker = wc.Linker(self.engine)
