@@ -186,7 +186,12 @@ class InferletRuntime:
         store.set_wasi(wasmtime.WasiConfig())
         linker = self._linker(state)
         try:
-            instance = linker.instantiate(store, comp)
+            try:
+                instance = linker.instantiate(store, comp)
+            except wasmtime.WasmtimeError as e:
+                raise InvalidComponentError(
+                    "the component does not fit this host's world (pie:media/inferlet)", detail=str(e)[:300]
+                ) from None
             run = instance.get_func(store, "run")
             if run is None:
                 raise InvalidComponentError("the component exports no run function")
@@ -197,10 +202,6 @@ class InferletRuntime:
                 raise InferletCancelledError("the run was cancelled") from None
             if "interrupt" in msg:
                 raise InferletTimeoutError(f"inferlet passed its {limits.wall_s} s deadline") from None
-            if "import" in msg and "not defined" in msg or "type mismatch" in msg:
-                raise InvalidComponentError(
-                    "the component does not fit this host's world", detail=msg[:300]
-                ) from None
             raise InferletTrapError("inferlet trapped: " + _trap_reason(msg)) from None
         finally:
             store.close()

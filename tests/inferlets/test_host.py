@@ -51,6 +51,20 @@ def test_cached_component_and_bad_bytes(rt, wasm) -> None:
         rt.component(b"\0asm not really")
 
 
+@pytest.mark.parametrize(
+    ("wat", "says"),
+    [
+        ("(component)", "no run function"),
+        ('(component (import "pie:media/host@0.1.0" (instance (export "f" (func)))))', "does not fit"),
+    ],
+)
+def test_component_of_another_world_is_typed(rt, wat, says) -> None:
+    import wasmtime
+
+    with pytest.raises(InvalidComponentError, match=says):
+        asyncio.run(rt.run_async(wasmtime.wat2wasm(wat), []))
+
+
 def test_cli_run_prints_sends_then_result(wasm, model, capsys) -> None:
     import subprocess
     import sys
