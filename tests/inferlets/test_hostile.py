@@ -63,6 +63,14 @@ def _against_good(rt, wasm, model, args, limits=LIMITS, control=None, after=None
         (["oversized", "tiny", "200000"], "inferlet_limit"),
         (["oversized-media", "tiny", "600000"], "inferlet_limit"),
         (["tts", "tiny-csm", "Hello.", "0", "1", "1000"], "inferlet_limit"),
+        # the rooms' own codes pass through unchanged
+        (["image-qa", "tiny", "q", "2", base64.b64encode(b"not an image").decode()], "unsupported_format"),
+        (
+            ["image-qa", "tiny", "q", "2", base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(40)).decode()],
+            "corrupt",
+        ),
+        (["continue", "tiny", "never-saved", "2"], "saved_context_not_found"),
+        (["tts", "tiny", "Hello.", "0", "1", "1"], "model_not_found"),
     ],
 )
 def test_typed_error_from_host_call(rt, wasm, model, args, code) -> None:
