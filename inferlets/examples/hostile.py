@@ -2,7 +2,7 @@
 flushed context), so the tests can check that they come back."""
 
 from media_qa import media_bytes
-from pie_sdk import Context, Image, InferletError, send
+from pie_sdk import Context, Image, InferletError, send, speak, speak_stream
 
 
 def _hold(model):
@@ -67,7 +67,25 @@ def ignore_errors(model="tiny"):
             send(e.code)
 
 
+def speech_overlap(model):
+    """A started speech stream holds the speech model: a second stream or a speak in the
+    same run is refused (not a deadlock) until it is closed."""
+    a = speak_stream("Hello there.", model, max_duration=0.5, chunk_frames=1)
+    b = speak_stream("Again.", model, max_duration=0.5, chunk_frames=1)
+    next(a)
+    codes = []
+    for attempt in (lambda: next(b), lambda: speak("No.", model)):
+        try:
+            attempt()
+        except InferletError as e:
+            codes.append(e.code)
+    a.close()
+    clip = speak("Fine now.", model, max_duration=0.2)
+    return " ".join([*codes, str(clip.duration > 0)])
+
+
 CASES = {
+    "speech-overlap": speech_overlap,
     "loop": loop,
     "bomb": bomb,
     "handles": handles,

@@ -75,6 +75,10 @@ class SpeechCalls:
 
     def next_chunk(self, h: int) -> bytes:
         gen = self.run.handles.get(h, "speech-stream")
+        if self._streaming - {h}:
+            raise InvalidRequestError(
+                "another speech stream of this run is running; finish or close it first"
+            )
         self._streaming.add(h)
         chunk = next(gen, None)
         if chunk is None:

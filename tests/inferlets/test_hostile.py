@@ -144,3 +144,8 @@ def test_host_bug_is_a_typed_error_not_a_crash(rt, wasm, model, monkeypatch) -> 
     assert e.value.details["guest_code"] == "inferlet_host_error"
     assert "simulated host bug" in str(e.value)
     assert model.pool.stats().in_use == in_use
+
+
+def test_overlapping_speech_in_one_run_is_refused_not_deadlocked(rt, wasm) -> None:
+    out = asyncio.run(rt.run_async(wasm, ["speech-overlap", "tiny-csm"], limits=RunLimits(wall_s=60)))
+    assert out == "invalid_request invalid_request True"
