@@ -7,8 +7,8 @@ import asyncio
 import functools
 import hashlib
 import importlib.metadata
+import logging
 import threading
-import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +45,7 @@ INTERFACES: dict[str, type] = {
     "speech": SpeechCalls,
 }
 EPOCH_TICK_S = 0.01
+log = logging.getLogger("inferlets.host")
 _WASMTIME = importlib.metadata.version("wasmtime")
 
 
@@ -77,7 +78,7 @@ def _host_func(
         except PieMediaError as e:
             rec = wv.error(e.code, e.message)
         except Exception as e:  # noqa: BLE001 - reported to the guest as a typed error
-            run.host_errors.append(traceback.format_exc(limit=8))
+            log.exception("inferlet host call %s failed", getattr(fn, "__name__", fn))
             rec = wv.error("inferlet_host_error", f"{type(e).__name__}: {e}")
         return wv.err(rec, tagged)
 

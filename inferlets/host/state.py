@@ -50,7 +50,6 @@ class RunState:
         self.ended_by: Exception | None = None
         """Set when a host call was refused for cancel or deadline: how the run ends, whatever
         the guest makes of that call's error."""
-        self.host_errors: list[str] = []
         self.handles = HandleTable(
             limits.max_handles,
             {
