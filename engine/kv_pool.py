@@ -23,7 +23,7 @@ accounting is unchanged) together with the last row's output, under a key that c
 the full pages before them (``engine.context`` builds it); ``take_tail`` writes them
 into a page of the taker's. So a prompt flushed before (the same prefix and image, a
 saved preamble) is taken whole, without a forward pass. At most ``tail_entries`` are
-kept, least recently used evicted first.
+kept (``tail_entries``), least recently used evicted first.
 """
 
 from __future__ import annotations
@@ -98,9 +98,12 @@ class KVPool:
         page_size = check_int("page_size", page_size, min=1)
         num_pages = check_int("num_pages", num_pages, min=1)
         self.tail_entries = (
-            max(8, num_pages // 32) if tail_entries is None else check_int("tail_entries", tail_entries, min=0)
+            max(8, min(64, num_pages // 32))
+            if tail_entries is None
+            else check_int("tail_entries", tail_entries, min=0)
         )
-        """How many partial last pages ``put_tail`` keeps (each at most one page of K/V)."""
+        """How many partial last pages ``put_tail`` keeps (each at most one page of K/V, held
+        outside the pool's pages: by default 1/32 of the pool's pages, 8 to 64)."""
         self.layers = list(layers)
         self.page_size = page_size
         self.num_pages = num_pages
