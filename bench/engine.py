@@ -236,7 +236,10 @@ def bench_image_cache(model, repeats: int) -> None:
     new_s, hit_s = float(np.median(new_t)), float(np.median(hit_t))
     same = "Same question prefix for every request: "
     asyncio.run(append(seen, -2, same))  # publishes the prefix + image pages
+    rows0, passes0 = model.runner.rows_computed, model.runner.passes
     same_s = float(np.median([asyncio.run(append(seen, -3, same)) for _ in range(repeats)]))
+    same_rows = (model.runner.rows_computed - rows0) / repeats
+    same_passes = (model.runner.passes - passes0) / repeats
     # The common case after it: the same prefix and image, then a question never seen: the
     # full pages come from the prefix cache, the rest of the image's last page and the
     # question are computed (vs a new image with a question).
@@ -261,6 +264,10 @@ def bench_image_cache(model, repeats: int) -> None:
     print(
         f"repeat after the same prefix: {same_s * 1e3:8.1f} ms   ratio new / repeat: {new_s / same_s:6.1f}x"
         f"  (encode alone {enc_new / max(enc_hit, 1e-9):6.1f}x)"
+    )
+    print(
+        f"  per repeat: {same_rows:.0f} rows computed in {same_passes:.0f} passes (full pages: prefix cache;"
+        " the partial last page and its output: kept by the first flush)"
     )
     print(
         f"+ a new question after it:    {q_rep_s * 1e3:8.1f} ms   vs a new image + question {q_new_s * 1e3:7.1f} ms:"
