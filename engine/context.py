@@ -667,12 +667,18 @@ class Context:
                     break  # the rest, and the last row's output, were kept by an earlier prefill
             start = self._n
             end = self._chunk_end(start, total)
-            step = self._build_step(start, end, want if end == total or every else "none")
+            step_want: LogitsWanted = want if end == total or every else "none"
+            if step_want == "last" and end - start > 1:
+                step_want = "last+hidden"  # a prompt, not a decode step: keep its tail too
+            step = self._build_step(start, end, step_want)
             result = await self.model.scheduler.submit(step)
             self._n = end
             self._table.publish(self._rows, end)
-            if end == total and want == "hidden":
-                self._put_tail(total, result)
+            if step_want == "last+hidden":
+                result, kept = result
+                self._put_tail(total, result, kept)
+            elif end == total and want == "hidden":
+                self._put_tail(total, None, result)
             if every and result is not None:
                 collected.append(result)
             if end == total:
@@ -703,8 +709,8 @@ class Context:
     def _take_tail(self, total: int) -> bool:
         """Commit the pending rows ``[committed, total)`` at once when they are the partial
         last page of an earlier prefill with this exact history (``KVPool.take_tail``):
-        their K/V is copied into this context's page and the last row's kept final hidden
-        state stands in for its output. False (nothing changed) otherwise."""
+        their K/V is copied into this context's page and the last row's kept output (logits,
+        else final hidden state) stands in for its own. False (nothing changed) otherwise."""
         start, pool = self._n, self.model.pool
         key = self._tail_key(start, total)
         if key is None or not pool.has_tail(key):
@@ -715,19 +721,22 @@ class Context:
             return False
         self._n = total
         self._table.publish(self._rows, total)
-        self._last_logits, self._last_hidden = None, taken[1]
+        logits, hidden = taken[1]
+        self._last_logits, self._last_hidden = (logits, None) if logits is not None else (None, hidden)
         return True
 
-    def _put_tail(self, total: int, hidden: torch.Tensor | None) -> None:
-        """Keep the last (partial) page of a finished prefill and its last row's final hidden
-        state, for a later context that fills exactly these rows (``_take_tail``)."""
+    def _put_tail(self, total: int, logits: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        """Keep the last (partial) page of a finished prefill with its last row's output (its
+        final hidden state, and its logits when the pass computed them), for a later
+        context that fills exactly these rows (``_take_tail``)."""
         if hidden is None:
             return
         ps = self.model.pool.page_size
         start = (total - 1) // ps * ps
         key = self._tail_key(start, total)
-        if key is not None:
-            self.model.pool.put_tail(key, self._table.pages[start // ps], total - start, hidden)
+        if key is not None and not self.model.pool.has_tail(key):
+            kept = logits.clone() if logits is not None else None  # not a view of the pass's logits
+            self.model.pool.put_tail(key, self._table.pages[start // ps], total - start, (kept, hidden))
 
     def _chunk_end(self, start: int, total: int) -> int:
         limit = self.model.max_prefill_rows

@@ -25,9 +25,11 @@ from engine.lora import pass_adapters
 if TYPE_CHECKING:
     from encoders import Encoded, Prepared
 
-LogitsWanted = Literal["none", "last", "all", "hidden", "states"]
+LogitsWanted = Literal["none", "last", "all", "hidden", "states", "last+hidden"]
 """What a step wants back: nothing, the last row's logits, every row's logits, the last
-row's final hidden state, or every row's final hidden states ("states", for embeddings)."""
+row's final hidden state, every row's final hidden states ("states", for embeddings), or
+the last row's logits and its final hidden state as a pair ("last+hidden": a prompt's
+prefill, whose hidden state the prefix cache keeps with its last page)."""
 """What a step gets back: nothing, the last row's logits, every row's logits, or the last
 row's final hidden state (for a caller that may apply the LM head later, or never)."""
 Encode = Callable[[list["Prepared"]], list["Encoded"]]
@@ -79,9 +81,10 @@ class ForwardRunner:
         self.passes = 0
         self.rows_computed = 0
 
-    def run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
+    def run(self, steps: list[StepInput]) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
         """Per step: (V,) logits for "last", (rows, V) for "all", the last row's (H,) final
-        hidden state for "hidden", None for "none"."""
+        hidden state for "hidden", (rows, H) for "states", ((V,), (H,)) for "last+hidden",
+        None for "none"."""
         if not steps:
             return []
         dev = self.device
@@ -159,7 +162,7 @@ class ForwardRunner:
             hidden = self.arch.hidden_states(inp, pie_batch=meta)
             want_rows: list[torch.Tensor] = []
             for step, seq in zip(steps, seqs, strict=True):
-                if step.logits == "last":
+                if step.logits in ("last", "last+hidden"):
                     want_rows.append(torch.tensor([seq.q_start + seq.q_len - 1]))
                 elif step.logits == "all":
                     want_rows.append(torch.arange(seq.q_start, seq.q_start + seq.q_len))
@@ -168,7 +171,7 @@ class ForwardRunner:
                 logits = self.arch.logits(hidden[torch.cat(want_rows).to(dev)]).float()
             last_hidden = [
                 hidden[seq.q_start + seq.q_len - 1].clone()
-                if step.logits == "hidden"
+                if step.logits in ("hidden", "last+hidden")
                 else hidden[seq.q_start : seq.q_start + seq.q_len].clone()
                 if step.logits == "states"
                 else None
@@ -177,16 +180,16 @@ class ForwardRunner:
         self.passes += 1
         self.rows_computed += start
 
-        out: list[torch.Tensor | None] = []
+        out: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None] = []
         at = 0
         for step, h in zip(steps, last_hidden, strict=True):
             if step.logits == "none":
                 out.append(None)
             elif step.logits in ("hidden", "states"):
                 out.append(h)
-            elif step.logits == "last":
+            elif step.logits in ("last", "last+hidden"):
                 assert logits is not None
-                out.append(logits[at])
+                out.append(logits[at] if step.logits == "last" else (logits[at], h))
                 at += 1
             else:
                 assert logits is not None

@@ -19,11 +19,12 @@ Every operation that can fail checks first and changes nothing when it raises
 Tails. Only full pages are content-addressed; a prefill that ends inside a page leaves
 a partial last page whose rows a later context with exactly the same history could
 reuse too. ``put_tail`` keeps a copy of those rows (outside the pages, so page
-accounting is unchanged) together with the last row's output, under a key that chains
-the full pages before them (``engine.context`` builds it); ``take_tail`` writes them
-into a page of the taker's. So a prompt flushed before (the same prefix and image, a
-saved preamble) is taken whole, without a forward pass. At most ``tail_entries`` are
-kept (``tail_entries``), least recently used evicted first.
+accounting is unchanged) with the last row's output (its logits when the pass computed
+them, and its final hidden state), under a key that chains the full pages before them
+(``engine.context`` builds it); ``take_tail`` writes them into a page of the taker's. So
+a prompt prefilled before (the same prefix and image, a repeated request, a saved
+preamble) is taken whole, without a forward pass. At most ``tail_entries`` are kept,
+least recently used evicted first.
 """
 
 from __future__ import annotations

@@ -135,12 +135,27 @@ def test_closing_the_publisher_keeps_the_tail(qwen):
     again.close()
 
 
-def test_generation_prefill_does_not_publish_tails(qwen):
+def test_generate_keeps_its_prompt_tail_and_a_repeat_skips_the_prefill(qwen):
     qwen.pool.clear_tails()
-    ctx = SyncContext(qwen).user("Hello there, tell me something.").cue()
-    ctx.generate(Sampler.greedy(), max_tokens(4))
-    assert qwen.pool.stats().tails == 0  # only flush() keeps tails; decode steps never do
-    ctx.close()
+    image = _image(7)
+
+    def prompt():
+        return SyncContext(qwen).user(image, "What is in this picture?").cue()
+
+    first = prompt()
+    want = first.generate(Sampler.greedy(), max_tokens(5)).tokens
+    assert qwen.pool.stats().tails == 1  # the prompt's last page; its decode steps keep none
+    passes, rows = qwen.runner.passes, qwen.runner.rows_computed
+    again = prompt()
+    assert again.generate(Sampler.greedy(), max_tokens(5)).tokens == want
+    assert qwen.runner.passes - passes == 4  # decode steps only: the prompt was not computed
+    assert qwen.runner.rows_computed - rows == 4
+    qwen.pool.clear_tails()
+    computed = prompt()
+    assert computed.generate(Sampler.greedy(), max_tokens(5)).tokens == want
+    assert_logits_close(again.next_token_logits(), computed.next_token_logits(), "tail cache: after generate")
+    for c in (first, again, computed):
+        c.close()
 
 
 # -- the pool's side ---------------------------------------------------------------------
