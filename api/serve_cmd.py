@@ -62,6 +62,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     sv.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     sv.add_argument(
+        "--inferlet-cache-dir",
+        type=Path,
+        default=None,
+        help="compiled inferlet components are cached here (default: under --media-dir)",
+    )
+    sv.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -92,6 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "max_concurrency": args.max_concurrency,
         "attention": args.attention,
         "lora_modules": args.lora_modules,
+        "inferlet_cache_dir": args.inferlet_cache_dir,
     }
     try:
         settings = ServeSettings(**{k: v for k, v in values.items() if v is not None})

@@ -17,6 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.http.deps import Service
 from api.http.errors import install_error_handlers
 from api.http.files_store import FileStore
+from api.http.inferlet_runs import RunTable
+from api.http.inferlets_store import InferletStore
 from api.http.job_runner import JobRunner
 from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
@@ -26,6 +28,7 @@ from api.http.routes import ROUTERS, batches, health
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
+from inferlets import InferletRuntime, RunLimits
 from media import DEFAULT_LIMITS
 from speech import SpeechModel
 
@@ -96,6 +99,8 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         jobs=jobs,
         job_runner=JobRunner(jobs, store, registry, resolver),
         files=FileStore(settings.state_dir),
+        inferlet_store=InferletStore(settings.state_dir),
+        inferlet_runs=RunTable(),
     )
     service.job_runner.batch_line = functools.partial(batches.run_line, service)
     service.job_runner.on_batch_done = functools.partial(batches.write_outputs, service)
@@ -116,10 +121,16 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
             )
             log.info("loaded %s as %r (%s)", ref, name, kind)
         await asyncio.to_thread(add_lora_modules, registry, settings.lora_modules, settings.max_concurrency)
+        service.inferlets = InferletRuntime(
+            {m.name: m.model for m in registry if m.adapter is None},
+            settings.inferlet_cache_dir or settings.state_dir,
+            limits=RunLimits(wall_s=settings.inferlet_wall_s),
+        )
         registry.ready = True
         await service.job_runner.resume_all()  # jobs a killed server left unfinished
         yield
         registry.ready = False
+        await service.inferlet_runs.shutdown()
         await service.job_runner.shutdown()
 
     app = FastAPIOffline(

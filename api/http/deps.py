@@ -8,6 +8,8 @@ from typing import Any
 from fastapi import Request
 
 from api.http.files_store import FileStore
+from api.http.inferlet_runs import RunTable
+from api.http.inferlets_store import InferletStore
 from api.http.job_runner import JobRunner
 from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
@@ -24,7 +26,9 @@ _STATUS_TEXT = {
     404: "Unknown model or media id",
     413: "Media or upload over a size/duration limit",
     415: "Unsupported media format",
-    422: "Remote media could not be fetched (timeout, refused, non-2xx)",
+    408: "The request took too long",
+    409: "Conflicts with the resource's state (e.g. a cancelled inferlet run)",
+    422: "Remote media could not be fetched, or an inferlet run failed (trap, limit, timeout)",
     429: "The model is at its concurrency limit; retry after Retry-After seconds",
     503: "Models not loaded yet, or the KV pool is full",
 }
@@ -40,6 +44,10 @@ class Service:
     jobs: JobStore
     job_runner: JobRunner
     files: FileStore
+    inferlet_store: InferletStore
+    inferlet_runs: RunTable
+    inferlets: Any = None
+    """The ``inferlets.InferletRuntime`` over the served models (set once they are loaded)."""
 
     @staticmethod
     def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -39,6 +39,14 @@ STATUS_BY_CODE: dict[str, int] = {
     "invalid_max_duration": 400,
     "context_closed": 409,
     "invalid_grammar": 400,
+    # inferlets: the upload is the caller's; a run that ends badly is its guest's doing
+    "invalid_inferlet": 400,
+    "inferlet_trap": 422,
+    "inferlet_failed": 422,
+    "inferlet_timeout": 422,
+    "inferlet_limit": 422,
+    "inferlet_bad_handle": 422,
+    "inferlet_cancelled": 409,
     "grammar_unavailable": 501,
     "out_of_kv_pages": 503,
     # the service itself

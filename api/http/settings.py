@@ -64,6 +64,12 @@ class ServeSettings(BaseSettings):
     media_fetch_timeout_s: float = Field(default=10.0, gt=0)
     media_fetch_connect_timeout_s: float = Field(default=3.0, gt=0)
     attention: str = "auto"
+    max_inferlet_bytes: int = Field(default=64 << 20, ge=1)
+    """Size of one uploaded inferlet component."""
+    inferlet_cache_dir: Path | None = None
+    """Where compiled inferlet components are cached (default: under ``state_dir``)."""
+    inferlet_wall_s: float = Field(default=60.0, gt=0)
+    """Wall-clock budget of one inferlet run (a request may ask for less)."""
     lora_modules: list[str] = Field(default_factory=list)
     """``NAME=PATH[@BASE]``: serve a PEFT LoRA adapter as model NAME on the served chat model
     BASE (default: the first one)."""

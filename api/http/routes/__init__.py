@@ -1,7 +1,18 @@
 """One router per resource. ``ROUTERS`` are served under the API-key check; ``health``
 (health, ready, metrics) is served without it."""
 
-from api.http.routes import batches, captions, chat, embeddings, files, jobs, media, models, speech
+from api.http.routes import (
+    batches,
+    captions,
+    chat,
+    embeddings,
+    files,
+    inferlets,
+    jobs,
+    media,
+    models,
+    speech,
+)
 
 ROUTERS = [
     models.router,
@@ -13,4 +24,5 @@ ROUTERS = [
     files.router,
     batches.router,
     embeddings.router,
+    inferlets.router,
 ]

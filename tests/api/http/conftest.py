@@ -72,9 +72,13 @@ def start_server(
     ]
     for m in models:
         args += ["--model", m]
+    from fixtures.paths import cache_root
+
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
+        # compiled inferlet components are shared with tests/inferlets (no second compile)
+        "PIE_MEDIA_INFERLET_CACHE_DIR": str(cache_root()),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         **(env or {}),

@@ -1,0 +1,142 @@
+"""Inferlet runs launched over HTTP: each is an asyncio task around
+``InferletRuntime.run_async`` with an ``InferletRun`` control (messages in, cancel), its
+``send`` output collected and pushed to whoever streams it, and its end recorded.
+
+Finished runs are kept (the newest ``keep`` of them) so a client can poll for the result
+of a background run; what a run sends is capped (``max_send_bytes``): past it the run is
+cancelled with ``inferlet_limit``, nothing the server holds grows without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from inferlets import InferletRun, InferletRuntime, RunLimits
+from inferlets.host.errors import InferletLimitError
+from media.errors import PieMediaError
+
+Status = Literal["running", "succeeded", "failed", "cancelled"]
+END = object()
+"""Put on a run's event queue after its last event."""
+
+
+@dataclass
+class RunRecord:
+    id: str
+    inferlet_id: str
+    args: list[str]
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: Status = "running"
+    result: str | None = None
+    error: dict[str, Any] | None = None
+    sends: list[str] = field(default_factory=list)
+    send_bytes: int = 0
+    finished_at: int | None = None
+    control: InferletRun = field(default_factory=InferletRun, repr=False)
+    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue, repr=False)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.status != "running"
+
+
+class RunTable:
+    """The runs of one server (in memory: a run is a live task; it does not outlive it)."""
+
+    def __init__(self, *, keep: int = 256, max_send_bytes: int = 16 << 20):
+        self.keep = keep
+        self.max_send_bytes = max_send_bytes
+        self._runs: OrderedDict[str, RunRecord] = OrderedDict()
+
+    def __repr__(self) -> str:
+        running = sum(1 for r in self._runs.values() if not r.done)
+        return f"RunTable({len(self._runs)} runs, {running} running)"
+
+    def get(self, run_id: str) -> RunRecord | None:
+        return self._runs.get(run_id)
+
+    def start(
+        self,
+        runtime: InferletRuntime,
+        inferlet_id: str,
+        wasm: Path,
+        args: list[str],
+        limits: RunLimits,
+        messages: list[str],
+        close_input: bool,
+    ) -> RunRecord:
+        """Launch the run now (on the running loop); its events go to ``record.events``."""
+        rec = RunRecord(id=f"run-{uuid.uuid4().hex[:24]}", inferlet_id=inferlet_id, args=list(args))
+        for m in messages:
+            rec.control.post(m)
+        if close_input:
+            rec.control.close_input()
+        loop = asyncio.get_running_loop()
+
+        def on_send(text: str) -> None:  # the run's worker thread
+            loop.call_soon_threadsafe(self._on_send, rec, text)
+
+        rec.task = asyncio.create_task(self._drive(runtime, rec, wasm, limits, on_send))
+        self._runs[rec.id] = rec
+        self._trim()
+        return rec
+
+    def _on_send(self, rec: RunRecord, text: str) -> None:
+        if rec.done:
+            return
+        rec.send_bytes += len(text.encode())
+        if rec.send_bytes > self.max_send_bytes:
+            rec.control.cancel()
+            rec.error = InferletLimitError(
+                f"the run sent more than {self.max_send_bytes} bytes", limit=self.max_send_bytes
+            ).to_dict()
+            return
+        rec.sends.append(text)
+        rec.events.put_nowait(("send", text))
+
+    async def _drive(
+        self, runtime: InferletRuntime, rec: RunRecord, wasm: Path, limits: RunLimits, on_send: Any
+    ) -> None:
+        try:
+            rec.result = await runtime.run_async(
+                wasm, rec.args, on_send=on_send, limits=limits, control=rec.control
+            )
+            rec.status = "succeeded"
+        except PieMediaError as e:
+            if rec.error is None:  # else the send cap stopped it (already recorded)
+                rec.error = e.to_dict()
+            rec.status = (
+                "cancelled" if e.code == "inferlet_cancelled" and rec.error["code"] == e.code else "failed"
+            )
+        except asyncio.CancelledError:
+            rec.control.cancel()
+            rec.status = "cancelled"
+            rec.error = {"code": "inferlet_cancelled", "message": "the run was cancelled"}
+            raise
+        finally:
+            rec.finished_at = int(time.time())
+            rec.events.put_nowait(("end", None))
+
+    def cancel(self, rec: RunRecord) -> None:
+        """Stop the run (it ends at the guest's next host call, or at once if it waits in
+        one); idempotent."""
+        rec.control.cancel()
+
+    def _trim(self) -> None:
+        finished = [k for k, r in self._runs.items() if r.done]
+        for k in finished[: max(0, len(finished) - self.keep)]:
+            del self._runs[k]
+
+    async def shutdown(self) -> None:
+        for rec in self._runs.values():
+            rec.control.cancel()
+        tasks = [r.task for r in self._runs.values() if r.task is not None and not r.task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
