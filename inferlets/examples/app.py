@@ -12,7 +12,7 @@ import search
 import session
 import tour
 import tts
-from pie_sdk import Context, inferlet
+from pie_sdk import Context, inferlet, now
 
 
 def chat(model, prompt, n):
@@ -20,8 +20,16 @@ def chat(model, prompt, n):
     return ctx.generate(max_tokens=int(n))
 
 
+def ping(n):
+    """n cheap host calls (``now``): what one host-call round trip costs (bench/inferlets.py)."""
+    for _ in range(int(n)):
+        now()
+    return n
+
+
 EXAMPLES = {
     "chat": chat,
+    "ping": ping,
     "image-qa": media_qa.image_qa,
     "image-raw": media_qa.image_raw,
     "video-qa": media_qa.video_qa,
