@@ -76,10 +76,10 @@ def _host_func(
             run.check()
             return wv.ok(fn(*a), tagged)
         except PieMediaError as e:
-            rec = wv.error(e.code, e.message)
+            rec = wv.error(e.code, e.message, wv.error_kind(e))
         except Exception as e:  # noqa: BLE001 - reported to the guest as a typed error
             log.exception("inferlet host call %s failed", getattr(fn, "__name__", fn))
-            rec = wv.error("inferlet_host_error", f"{type(e).__name__}: {e}")
+            rec = wv.error("inferlet_host_error", f"{type(e).__name__}: {e}", "host")
         return wv.err(rec, tagged)
 
     return call
@@ -217,7 +217,9 @@ class InferletRuntime:
         if isinstance(out, str):
             return out
         code, message = getattr(out, "code", "inferlet_failed"), getattr(out, "message", str(out))
-        raise InferletFailedError(f"{code}: {message}", guest_code=code)
+        raise InferletFailedError(
+            f"{code}: {message}", guest_code=code, guest_kind=getattr(out, "kind", "guest")
+        )
 
 
 def _trap_reason(msg: str) -> str:

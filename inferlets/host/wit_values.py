@@ -25,8 +25,37 @@ def field(r: Any, name: str) -> Any:
     return getattr(r, name)
 
 
-def error(code: str, message: str) -> wc.Record:
-    return record(code=code, message=message[:4000])
+def error(code: str, message: str, kind: str = "host") -> wc.Record:
+    """The WIT ``error`` record; ``kind`` is an ``error-kind`` case name."""
+    return record(code=code, message=message[:4000], kind=kind)
+
+
+def error_kind(e: Exception) -> str:
+    """The ``error-kind`` case of a typed error (by class; ``code`` stays exact)."""
+    from engine.errors import EngineError
+    from inferlets.host import errors as ie
+    from media.errors import InvalidRequestError, MediaError
+    from speech.errors import SpeechError
+
+    for cls, kind in (
+        (ie.InferletCancelledError, "cancelled"),
+        (ie.InferletTimeoutError, "timeout"),
+        (ie.InferletHandleError, "bad-handle"),
+        (ie.InferletLimitError, "limit"),
+        (ie.UnknownModelError, "not-found"),
+        (MediaError, "media"),
+        (SpeechError, "speech"),
+    ):
+        if isinstance(e, cls):
+            return kind
+    code = getattr(e, "code", "")
+    if code.endswith("not_found"):
+        return "not-found"
+    if isinstance(e, InvalidRequestError):
+        return "invalid-request"
+    if isinstance(e, EngineError):
+        return "engine"
+    return "host"
 
 
 def ok(value: Any, tagged: bool) -> Any:

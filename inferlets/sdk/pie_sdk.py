@@ -30,12 +30,24 @@ from wit_world.imports import types as _t
 
 
 class InferletError(Exception):
-    """A host call failed; ``code`` is the stable PieMediaError code."""
+    """A host call failed; ``code`` is the stable PieMediaError code, ``kind`` its
+    ``error-kind`` ("invalid-request", "bad-handle", "limit", "not-found", "media",
+    "engine", "speech", "cancelled", "timeout", "host", "guest")."""
 
-    def __init__(self, code, message):
+    def __init__(self, code, message, kind="guest"):
         self.code = code
         self.message = message
+        self.kind = kind
         super().__init__(f"{code}: {message}")
+
+
+def _kind_name(kind):
+    """The WIT case name of a lifted ``error-kind`` value."""
+    return getattr(kind, "name", str(kind)).lower().replace("_", "-")
+
+
+def _kind_value(name):
+    return getattr(_t.ErrorKind, name.upper().replace("-", "_"), _t.ErrorKind.GUEST)
 
 
 def _call(fn, *a):
@@ -43,7 +55,9 @@ def _call(fn, *a):
         return fn(*a)
     except Err as e:
         v = e.value
-        raise InferletError(getattr(v, "code", "inferlet_error"), getattr(v, "message", str(v))) from None
+        raise InferletError(
+            getattr(v, "code", "inferlet_error"), getattr(v, "message", str(v)), _kind_name(v.kind)
+        ) from None
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -81,11 +95,13 @@ def inferlet(fn):
             try:
                 out = fn(args())
             except InferletError as e:
-                raise Err(_t.Error(e.code, e.message)) from None
+                raise Err(_t.Error(e.code, e.message, _kind_value(e.kind))) from None
             except MemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - reported to the host as the run's error
-                raise Err(_t.Error("guest_exception", f"{type(e).__name__}: {e}")) from None
+                raise Err(
+                    _t.Error("guest_exception", f"{type(e).__name__}: {e}", _t.ErrorKind.GUEST)
+                ) from None
             return "" if out is None else str(out)
 
     fn.world = World

@@ -54,29 +54,35 @@ def _against_good(rt, wasm, model, args, limits=LIMITS, control=None, after=None
 
 
 @pytest.mark.parametrize(
-    ("args", "code"),
+    ("args", "code", "kind"),
     [
-        (["forged"], "inferlet_bad_handle"),
-        (["closed"], "inferlet_bad_handle"),
-        (["handles", "tiny"], "inferlet_limit"),
-        (["media-handles", "tiny", PNG], "inferlet_limit"),
-        (["oversized", "tiny", "200000"], "inferlet_limit"),
-        (["oversized-media", "tiny", "600000"], "inferlet_limit"),
-        (["tts", "tiny-csm", "Hello.", "0", "1", "1000"], "inferlet_limit"),
+        (["forged"], "inferlet_bad_handle", "bad-handle"),
+        (["closed"], "inferlet_bad_handle", "bad-handle"),
+        (["handles", "tiny"], "inferlet_limit", "limit"),
+        (["media-handles", "tiny", PNG], "inferlet_limit", "limit"),
+        (["oversized", "tiny", "200000"], "inferlet_limit", "limit"),
+        (["oversized-media", "tiny", "600000"], "inferlet_limit", "limit"),
+        (["tts", "tiny-csm", "Hello.", "0", "1", "1000"], "inferlet_limit", "limit"),
         # the rooms' own codes pass through unchanged
-        (["image-qa", "tiny", "q", "2", base64.b64encode(b"not an image").decode()], "unsupported_format"),
+        (
+            ["image-qa", "tiny", "q", "2", base64.b64encode(b"not an image").decode()],
+            "unsupported_format",
+            "media",
+        ),
         (
             ["image-qa", "tiny", "q", "2", base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(40)).decode()],
             "corrupt",
+            "media",
         ),
-        (["continue", "tiny", "never-saved", "2"], "saved_context_not_found"),
-        (["tts", "tiny", "Hello.", "0", "1", "1"], "model_not_found"),
+        (["continue", "tiny", "never-saved", "2"], "saved_context_not_found", "not-found"),
+        (["tts", "tiny", "Hello.", "0", "1", "1"], "model_not_found", "not-found"),
     ],
 )
-def test_typed_error_from_host_call(rt, wasm, model, args, code) -> None:
+def test_typed_error_from_host_call(rt, wasm, model, args, code, kind) -> None:
     err = _against_good(rt, wasm, model, args)
     assert isinstance(err, InferletFailedError), err
     assert err.details["guest_code"] == code and err.code == "inferlet_failed"
+    assert err.details["guest_kind"] == kind  # the WIT error-kind case, seen by the guest
 
 
 def test_runaway_loop_runs_out_of_fuel(rt, wasm, model) -> None:
