@@ -1,65 +1,101 @@
 #!/usr/bin/env bash
-# One command on the GPU machine: install the carried wheels, run the CUDA tests, then the
-# GPU benchmark; results (JSON + printed table) go to OUT_DIR (default bench/results/).
-#   bench/gpu/check.sh [--dry-run] [OUT_DIR]
-# --dry-run (runs anywhere): checks the scripts parse, the wheels folder layout, that the
-# project imports, and that the CUDA tests collect; then stops where a GPU is needed.
-set -euo pipefail
+# One command on the GPU machine: install the carried wheels, compile flashinfer's kernels,
+# run the CUDA tests (flashinfer vs torch backend, bf16 and fp16), then the GPU benchmark.
+# Every step's outcome and time go to OUT_DIR/gpu_check.json (the run goes on past a failed
+# step where it can); the benchmark writes OUT_DIR/gpu_bench.json and prints its table.
+#   bench/gpu/check.sh [--dry-run] [OUT_DIR]       (default OUT_DIR: bench/results)
+# On the device tool:  run(command="bash bench/gpu/check.sh $OUT", carry=[".cache/gpu-wheels"])
+# --dry-run (runs anywhere): checks the scripts parse, the wheels, that the project imports
+# and the CUDA tests collect, and runs the benchmark's CPU smoke mode; then stops where a GPU
+# is needed, and says so.
+set -uo pipefail
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT_DIR="${1:-bench/results}"
 WHEELS="${GPU_WHEELS:-.cache/gpu-wheels}"
 PY="${PY:-$(command -v python3)}"
 [ -x .venv/bin/python ] && [ "$DRY" = 1 ] && PY=.venv/bin/python
+SITE="${GPU_SITE:-/tmp/pie-media-site}"
 mkdir -p "$OUT_DIR"
+STEPS="$OUT_DIR/gpu_check.steps"
+: > "$STEPS"
 step() { echo "== $*"; }
+record() {  # name status seconds
+  printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$STEPS"
+}
+run_step() {  # name command...: run it, record ok/failed and its time
+  local name="$1"; shift
+  step "$name"
+  local t0=$SECONDS
+  if "$@"; then record "$name" ok $((SECONDS - t0)); return 0; fi
+  record "$name" failed $((SECONDS - t0)); return 1
+}
+finish() {
+  "$PY" - "$STEPS" "$OUT_DIR/gpu_check.json" "$1" <<'PY'
+import json, sys
+steps = [dict(zip(("step", "status", "seconds"), line.rstrip("\n").split("\t"))) for line in open(sys.argv[1])]
+for s in steps:
+    s["seconds"] = int(s["seconds"])
+json.dump({"outcome": sys.argv[3], "steps": steps}, open(sys.argv[2], "w"), indent=1)
+print("\n".join(f"{s['step']:45} {s['status']:7} {s['seconds']:5d} s" for s in steps))
+print("outcome:", sys.argv[3])
+PY
+  rm -f "$STEPS"
+}
 
-step "scripts parse"
-bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh
-"$PY" -m py_compile tests/engine/test_cuda.py
+run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/trim_wheel.py tests/engine/test_cuda.py" || { finish broken; exit 2; }
 
-step "wheels folder $WHEELS"
-if ! ls "$WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
-  echo "missing: $WHEELS/flashinfer_python-*.whl (run bench/gpu/fetch_wheels.sh here first)" >&2
-  exit 2
-fi
-for w in "$WHEELS"/*.whl; do "$PY" -m zipfile -l "$w" >/dev/null || { echo "bad wheel $w" >&2; exit 2; }; done
-ls "$WHEELS"
+check_wheels() {
+  if ! ls "$WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
+    echo "missing: $WHEELS/flashinfer_python-*.whl (run bench/gpu/fetch_wheels.sh here first)" >&2
+    return 1
+  fi
+  for w in "$WHEELS"/*.whl; do "$PY" -m zipfile -l "$w" >/dev/null || { echo "bad wheel $w" >&2; return 1; }; done
+  ls "$WHEELS"
+}
+run_step "wheels folder $WHEELS" check_wheels || { finish no-wheels; exit 2; }
 
 if [ "$DRY" = 0 ]; then
-  step "install carried wheels (no index)"
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" flashinfer-python
+  # --target + PYTHONPATH: ahead of the machine's site-packages (newer transformers wins),
+  # nothing of the machine's own environment is changed.
+  run_step "install carried wheels into $SITE" "$PY" -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE:$PWD"
+else
+  export PYTHONPATH="$PWD"
 fi
 
-step "project imports (torch, transformers versions as found)"
-PYTHONPATH=. "$PY" - <<'PY'
+imports() {
+  "$PY" - <<'PY'
 import torch, transformers
 import engine, media, encoders  # noqa: F401
-print(f"torch {torch.__version__} cuda={torch.cuda.is_available()} transformers {transformers.__version__}")
+try:
+    import flashinfer
+    fi = flashinfer.__version__
+except Exception as e:  # noqa: BLE001 - reported
+    fi = f"not importable ({type(e).__name__}: {e})"
+print(f"torch {torch.__version__} cuda={torch.cuda.is_available()} transformers {transformers.__version__} flashinfer {fi}")
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(0), torch.version.cuda)
 PY
+}
+run_step "project imports (versions as found)" imports || { finish broken; exit 2; }
+run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py | tail -3"
 
-step "collect the CUDA tests"
-PYTHONPATH=. "$PY" -m pytest -q --collect-only -p no:cacheprovider tests/engine/test_cuda.py | tail -3
-
-if [ "$DRY" = 1 ] || ! PYTHONPATH=. "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  run_step "GPU bench smoke (CPU, tiny shapes)" "$PY" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
   echo "STOP: a CUDA GPU is needed from here on (CUDA tests, JIT compile, GPU benchmark)"
+  finish dry-run
   exit 0
 fi
 
-export FLASHINFER_WORKSPACE_BASE="$PWD/.cache/flashinfer-jit"   # JIT kernels cached in the run dir
+# flashinfer JIT: kernels compile with the machine's nvcc on first use, cached here.
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache/flashinfer-jit}"
+export MAX_JOBS="${MAX_JOBS:-16}"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-step "flashinfer JIT warm-up"
-T0=$(date +%s)
-PYTHONPATH=. "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_attention_flashinfer.py -x 2>&1 | tail -5 || true
-echo "JIT compile + flashinfer tests took $(( $(date +%s) - T0 )) s"
-
-step "CUDA test suite"
-PYTHONPATH=. "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
-  --junitxml "$OUT_DIR/cuda_tests.xml" 2>&1 | tail -20 || true
-
-step "GPU benchmark"
-if [ -f bench/gpu/bench.py ]; then
-  PYTHONPATH=. "$PY" bench/gpu/bench.py --out "$OUT_DIR/gpu_bench.json"
-else
-  echo "bench/gpu/bench.py not written yet"
-fi
+run_step "flashinfer JIT compile + backend tests (compile time included)" bash -o pipefail -c \
+  "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_attention_flashinfer.py -x 2>&1 | tail -15"
+run_step "CUDA test suite (flashinfer vs torch, bf16/fp16)" bash -o pipefail -c \
+  "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
+run_step "GPU benchmark" "$PY" bench/gpu/bench.py --out "$OUT_DIR/gpu_bench.json"
+finish done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import zipfile
@@ -32,6 +33,12 @@ def test_dry_run_stops_where_a_gpu_is_needed(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tests/engine/test_cuda.py:" in done.stdout
     assert "STOP: a CUDA GPU is needed" in done.stdout
+    # the GPU benchmark's CPU smoke run, and the per-step record
+    smoke = json.loads((tmp_path / "out" / "gpu_bench_smoke.json").read_text())
+    assert smoke["shapes"] == "tiny (smoke)" and not smoke["errors"]
+    assert smoke["ours"]["torch"]["1"]["tokens"] > 0 and smoke["transformers"]["1"]["tok_s"] > 0
+    steps = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert steps["outcome"] == "dry-run" and all(s["status"] == "ok" for s in steps["steps"])
 
 
 def test_dry_run_refuses_a_missing_wheels_folder(tmp_path):
