@@ -124,6 +124,68 @@ def _bench_gemma_audio_one(samples: Path, repeats: int, enc, ref_fe, exact: bool
     )
 
 
+def _median_ms(fn, repeats: int) -> float:
+    import statistics
+    import time
+
+    fn()
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls) * 1e3
+
+
+def image_stages(samples: Path, repeats: int) -> None:
+    """Where the time of an image goes, stage by stage, ours beside the reference's:
+    decode (bytes -> RGB pixels), resize (the same Pillow call on both sides: it must be,
+    for identical pixels), and rescale+normalise+patchify (the reference: its processor
+    minus its resize)."""
+    from transformers import AutoImageProcessor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from encoders.gemma4.vision import patchify
+
+    qwen_dir, gemma_dir = ensure_tiny_model("tiny-qwen3-vl"), ensure_tiny_model("tiny-gemma4")
+    sides = {
+        "Qwen3-VL": (encoder_for(qwen_dir, load_weights=False), AutoImageProcessor.from_pretrained(qwen_dir)),
+        "Gemma-4": (
+            encoder_for(gemma_dir, load_weights=False),
+            Gemma4ImageProcessorPil.from_pretrained(gemma_dir),
+        ),
+    }
+    print("\n  stages, ms (ours / reference)           decode          resize   normalise+patchify")
+    for rel in ("images/photo_4032x3024.jpg", "images/photo_1024x768.png"):
+        data = (samples / rel).read_bytes()
+        img = Image.from_bytes(data)
+        pil = PILImage.open(io.BytesIO(data)).convert("RGB")
+        dec_ours = _median_ms(lambda d=data: Image.from_bytes(d), repeats)
+        dec_ref = _median_ms(lambda d=data: PILImage.open(io.BytesIO(d)).convert("RGB"), repeats)
+        for label, (enc, ref_proc) in sides.items():
+            s = enc.image_settings
+            if label == "Qwen3-VL":
+                size = enc.image_size_for(img.width, img.height)
+                resized = img.resized(size, PILImage.Resampling(s.resample))
+                pix = _median_ms(lambda r=resized, e=enc: e._image_pixels(r), repeats)
+            else:
+                size = enc.image_size_for(img.width, img.height)
+                arr = np.asarray(img.resized(size, s.resample))
+                budget = s.max_patches(s.max_soft_tokens)
+                pix = _median_ms(
+                    lambda a=arr, e=enc, b=budget, ps=s.patch_size: patchify(a[None], ps, e._image_table, b),
+                    repeats,
+                )
+            res_ours = _median_ms(lambda sz=size, r=s.resample, im=img: im.resized(sz, r), repeats)
+            res_ref = _median_ms(lambda sz=size, r=s.resample, p=pil: p.resize(sz, resample=r), repeats)
+            whole_ref = _median_ms(lambda p=ref_proc, im=pil: p(images=[im], return_tensors="pt"), repeats)
+            print(
+                f"  {label + ' ' + Path(rel).name:<36}{dec_ours:7.1f} /{dec_ref:6.1f}"
+                f"{res_ours:8.1f} /{res_ref:6.1f}{pix:10.1f} /{whole_ref - res_ref:6.1f}"
+            )
+    print("  (decode and resize are the same Pillow work on both sides: they bound the ratio)")
+
+
 def bench_video(bench: Path, repeats: int) -> None:
     from transformers import AutoImageProcessor
     from transformers.video_utils import load_video
@@ -175,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'case':<44}{'ours ms':>10}{'ref ms':>10}{'ratio':>9}  parity")
     bench_qwen_images(samples, args.repeats)
     bench_gemma_image(samples, args.repeats)
+    image_stages(samples, args.repeats)
     bench_gemma_audio(samples, args.repeats)
     if not args.skip_video:
         bench_video(ensure_bench_media(), args.repeats)

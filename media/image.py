@@ -444,6 +444,14 @@ class Image:
             self._pil = PILImage.fromarray(self.to_numpy())
         return self._pil.copy()
 
+    def resized(self, size: tuple[int, int], resample: int) -> PILImage.Image:
+        """``to_pil().resize(size, resample)`` without the full-size copy ``to_pil`` makes
+        (Pillow's resize reads its source and returns a new image; a 12 MP copy costs
+        20-35 ms here). Same pixels as that call."""
+        if self._pil is None:
+            self._pil = PILImage.fromarray(self.to_numpy())
+        return self._pil.resize(size, resample=resample)
+
     def __repr__(self) -> str:
         return (
             f"Image({self.width}x{self.height}, format={self._format!r}, "

@@ -228,7 +228,7 @@ class Gemma4Encoder(CheckpointEncoder):
         if (tw, th) == (width, height):
             pixels = image.to_numpy()
         else:
-            pixels = np.asarray(image.to_pil().resize((tw, th), resample=s.resample))
+            pixels = np.asarray(image.resized((tw, th), s.resample))
         values, positions, real = patchify(
             pixels[None], s.patch_size, self._image_table, s.max_patches(budget)
         )

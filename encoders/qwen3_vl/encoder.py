@@ -147,7 +147,7 @@ class Qwen3VLEncoder(CheckpointEncoder):
         rw, rh = self.image_size_for(image.width, image.height, **params)
         source: np.ndarray | PILImage.Image
         if (rw, rh) != (image.width, image.height):
-            source = image.to_pil().resize((rw, rh), resample=PILImage.Resampling(s.resample))
+            source = image.resized((rw, rh), PILImage.Resampling(s.resample))
         else:
             source = image.to_numpy()
         pixel_values = self._image_pixels(source)
