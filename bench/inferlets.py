@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.timing import interleaved
+from bench.timing import interleaved, median_ms
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "inferlets" / "examples"
 PROMPTS = [
@@ -63,15 +62,6 @@ async def direct_best_of(model, prompt: str, n: int, k: int, temperature: float,
     return [g.text for g in gens] + [gens[best].text]
 
 
-def _ms(fn, n: int = 5) -> float:
-    walls = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls) * 1e3
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=16)
@@ -94,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         InferletRuntime({}, Path(tmp)).component(data)
         cold = time.perf_counter() - t0
-        disk = _ms(lambda: InferletRuntime({}, Path(tmp)).component(data), 3)
+        disk = median_ms(lambda: InferletRuntime({}, Path(tmp)).component(data), 3, warmup=False)
     rt = InferletRuntime({"tiny": model}, cache_root())
     rt.component(data)
-    memory = _ms(lambda: rt.component(data), 20)
+    memory = median_ms(lambda: rt.component(data), 20, warmup=False)
 
     async def launch(a: list[str]) -> str:
         return await rt.run_async(wasm, a)
@@ -106,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(launch(a))
 
     run(["ping", "0"])
-    cached_launch = _ms(lambda: run(["ping", "0"]), 10)
-    pings = _ms(lambda: run(["ping", str(args.pings)]), 3)
+    cached_launch = median_ms(lambda: run(["ping", "0"]), 10, warmup=False)
+    pings = median_ms(lambda: run(["ping", str(args.pings)]), 3, warmup=False)
     round_trip_us = (pings - cached_launch) / args.pings * 1e3
 
     def inferlet_side() -> list[list[str]]:

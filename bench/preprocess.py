@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image as PILImage  # noqa: E402
 
-from bench.timing import interleaved  # noqa: E402
+from bench.timing import interleaved, median_ms  # noqa: E402
 from encoders import EncoderCache, encoder_for  # noqa: E402
 from fixtures.samples import ensure_bench_media, ensure_samples  # noqa: E402
 from fixtures.tiny_models import ensure_tiny_model  # noqa: E402
@@ -124,19 +124,6 @@ def _bench_gemma_audio_one(samples: Path, repeats: int, enc, ref_fe, exact: bool
     )
 
 
-def _median_ms(fn, repeats: int) -> float:
-    import statistics
-    import time
-
-    fn()
-    walls = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls) * 1e3
-
-
 def image_stages(samples: Path, repeats: int) -> None:
     """Where the time of an image goes, stage by stage, ours beside the reference's:
     decode (bytes -> RGB pixels), resize (the same Pillow call on both sides: it must be,
@@ -160,25 +147,25 @@ def image_stages(samples: Path, repeats: int) -> None:
         data = (samples / rel).read_bytes()
         img = Image.from_bytes(data)
         pil = PILImage.open(io.BytesIO(data)).convert("RGB")
-        dec_ours = _median_ms(lambda d=data: Image.from_bytes(d), repeats)
-        dec_ref = _median_ms(lambda d=data: PILImage.open(io.BytesIO(d)).convert("RGB"), repeats)
+        dec_ours = median_ms(lambda d=data: Image.from_bytes(d), repeats)
+        dec_ref = median_ms(lambda d=data: PILImage.open(io.BytesIO(d)).convert("RGB"), repeats)
         for label, (enc, ref_proc) in sides.items():
             s = enc.image_settings
             if label == "Qwen3-VL":
                 size = enc.image_size_for(img.width, img.height)
                 resized = img.resized(size, PILImage.Resampling(s.resample))
-                pix = _median_ms(lambda r=resized, e=enc: e._image_pixels(r), repeats)
+                pix = median_ms(lambda r=resized, e=enc: e._image_pixels(r), repeats)
             else:
                 size = enc.image_size_for(img.width, img.height)
                 arr = np.asarray(img.resized(size, s.resample))
                 budget = s.max_patches(s.max_soft_tokens)
-                pix = _median_ms(
+                pix = median_ms(
                     lambda a=arr, e=enc, b=budget, ps=s.patch_size: patchify(a[None], ps, e._image_table, b),
                     repeats,
                 )
-            res_ours = _median_ms(lambda sz=size, r=s.resample, im=img: im.resized(sz, r), repeats)
-            res_ref = _median_ms(lambda sz=size, r=s.resample, p=pil: p.resize(sz, resample=r), repeats)
-            whole_ref = _median_ms(lambda p=ref_proc, im=pil: p(images=[im], return_tensors="pt"), repeats)
+            res_ours = median_ms(lambda sz=size, r=s.resample, im=img: im.resized(sz, r), repeats)
+            res_ref = median_ms(lambda sz=size, r=s.resample, p=pil: p.resize(sz, resample=r), repeats)
+            whole_ref = median_ms(lambda p=ref_proc, im=pil: p(images=[im], return_tensors="pt"), repeats)
             print(
                 f"  {label + ' ' + Path(rel).name:<36}{dec_ours:7.1f} /{dec_ref:6.1f}"
                 f"{res_ours:8.1f} /{res_ref:6.1f}{pix:10.1f} /{whole_ref - res_ref:6.1f}"

@@ -18,3 +18,16 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str,
             outs[k] = fn()
             walls[k].append(time.perf_counter() - t0)
     return {k: (statistics.median(walls[k]), outs[k]) for k in fns}
+
+
+def median_ms(fn: Callable[[], object], repeats: int, *, warmup: bool = True) -> float:
+    """Median wall-clock milliseconds of ``repeats`` calls of ``fn`` (after one untimed
+    call when ``warmup``)."""
+    if warmup:
+        fn()
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls) * 1e3
