@@ -68,6 +68,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="compiled inferlet components are cached here (default: under --media-dir)",
     )
     sv.add_argument(
+        "--max-inferlet-runs", type=int, default=None, help="inferlet runs going at once (then 429)"
+    )
+    sv.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -99,6 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "attention": args.attention,
         "lora_modules": args.lora_modules,
         "inferlet_cache_dir": args.inferlet_cache_dir,
+        "max_inferlet_runs": args.max_inferlet_runs,
     }
     try:
         settings = ServeSettings(**{k: v for k, v in values.items() if v is not None})

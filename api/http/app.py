@@ -100,7 +100,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         job_runner=JobRunner(jobs, store, registry, resolver),
         files=FileStore(settings.state_dir),
         inferlet_store=InferletStore(settings.state_dir),
-        inferlet_runs=RunTable(),
+        inferlet_runs=RunTable(max_running=settings.max_inferlet_runs),
     )
     service.job_runner.batch_line = functools.partial(batches.run_line, service)
     service.job_runner.on_batch_done = functools.partial(batches.write_outputs, service)

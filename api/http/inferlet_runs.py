@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from api.http.errors import ServiceError
 from inferlets import InferletRun, InferletRuntime, RunLimits
 from inferlets.host.errors import InferletLimitError
 from media.errors import PieMediaError
@@ -50,9 +51,11 @@ class RunRecord:
 class RunTable:
     """The runs of one server (in memory: a run is a live task; it does not outlive it)."""
 
-    def __init__(self, *, keep: int = 256, max_send_bytes: int = 16 << 20):
+    def __init__(self, *, keep: int = 256, max_send_bytes: int = 16 << 20, max_running: int = 64):
         self.keep = keep
         self.max_send_bytes = max_send_bytes
+        self.max_running = max_running
+        """Runs at once; past it a launch is refused (429), never queued without bound."""
         self._runs: OrderedDict[str, RunRecord] = OrderedDict()
 
     def __repr__(self) -> str:
@@ -72,7 +75,16 @@ class RunTable:
         messages: list[str],
         close_input: bool,
     ) -> RunRecord:
-        """Launch the run now (on the running loop); its events go to ``record.events``."""
+        """Launch the run now (on the running loop); its events go to ``record.events``.
+        ``queue_full`` (429) when ``max_running`` runs are going."""
+        running = sum(1 for r in self._runs.values() if not r.done)
+        if running >= self.max_running:
+            raise ServiceError(
+                "queue_full",
+                f"{running} inferlet runs are going, this server's maximum; retry after 1 s",
+                retry_after=1,
+                limit=self.max_running,
+            )
         rec = RunRecord(id=f"run-{uuid.uuid4().hex[:24]}", inferlet_id=inferlet_id, args=list(args))
         for m in messages:
             rec.control.post(m)

@@ -69,6 +69,8 @@ class ServeSettings(BaseSettings):
     inferlet_cache_dir: Path | None = None
     """Where compiled inferlet components are cached (default: under ``state_dir``)."""
     inferlet_wall_s: float = Field(default=60.0, gt=0)
+    max_inferlet_runs: int = Field(default=64, ge=1)
+    """Inferlet runs going at once (each holds a thread while it runs); then 429."""
     """Wall-clock budget of one inferlet run (a request may ask for less)."""
     lora_modules: list[str] = Field(default_factory=list)
     """``NAME=PATH[@BASE]``: serve a PEFT LoRA adapter as model NAME on the served chat model

@@ -182,7 +182,7 @@ def _raise_for(rec: RunRecord) -> None:
     responses={
         200: {"content": {"text/event-stream": {}}, "description": "the run, or SSE events when stream=true"},
         202: {"model": RunObject, "description": "background=true: the run, still running"},
-        **Service.error_responses(400, 401, 404, 422, 503),
+        **Service.error_responses(400, 401, 404, 422, 429, 503),
     },
 )
 async def start_run(
