@@ -1,27 +1,23 @@
-"""The run table bounds how many inferlet runs go at once: past the cap a launch is a
-429 ``queue_full`` at once (never queued without bound); a cancelled run frees its slot."""
+"""The HTTP service's run table bounds how many inferlet runs go at once: past the cap a
+launch is a 429 ``queue_full`` at once (never queued without bound); a cancelled run frees
+its slot.
+
+It lives here, not in tests/api/http, because it runs wasmtime in the test process: that
+must come after tests/api/test_ray_captions.py starts Ray in-process, since Ray replaces the
+signal handlers wasmtime installed first and a guest trap (SIGILL) then kills the process.
+The server and the inferlet CLI never run Ray in their process."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from api.http.errors import ServiceError
 from api.http.inferlet_runs import RunTable
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "inferlets" / "examples"
 
-
-def test_running_runs_are_capped(tmp_path: Path) -> None:
-    from api.model_ref import load_model
-    from fixtures.paths import cache_root
-    from inferlets import InferletRuntime, build_component
-
-    wasm = build_component(EXAMPLES, cache_root() / "inferlets-build")
-    model = load_model("tiny", device="cpu")
-    rt = InferletRuntime({"tiny": model}, cache_root())
+def test_running_runs_are_capped(rt, wasm, model) -> None:
     table = RunTable(max_running=2)
     waiting = ["video-qa", "tiny", "?", "2", "2", "-"]  # waits in receive() for its video
 
