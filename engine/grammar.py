@@ -201,8 +201,11 @@ class GrammarMatcher:
         """A copy of (vocab,) ``logits`` with every token the grammar forbids at -inf."""
         allowed = self.allowed()
         n = logits.shape[-1]
-        if n != allowed.shape[0]:  # head wider than the vocabulary: the extra ids are never text
-            allowed = torch.nn.functional.pad(allowed, (0, max(0, n - allowed.shape[0])))[:n]
+        if n != allowed.shape[0]:  # a head wider than the vocabulary: its extra ids are never text
+            fit = torch.zeros(n, dtype=torch.bool)
+            k = min(n, allowed.shape[0])
+            fit[:k] = allowed[:k]
+            allowed = fit
         if not bool(allowed.any()):
             raise GrammarError("the grammar allows no token here (it cannot be completed)")
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

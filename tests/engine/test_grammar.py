@@ -179,3 +179,15 @@ def test_custom_sampler_choosing_outside_the_grammar_is_a_typed_error(qwen):
         run_sync(ctx.generate(bad, max_tokens=5, grammar=Grammar.regex("[0-9]+")))
     ctx.close()
     assert repr(Grammar.regex("[0-9]+")) == "Grammar.regex('[0-9]+')"
+
+
+def test_mask_fits_a_head_wider_or_narrower_than_the_vocabulary(qwen):
+    """Checkpoints pad their LM head past the tokenizer's vocabulary: the extra ids are
+    masked out; a narrower row is masked on the ids it has."""
+    matcher = GrammarMatcher(Grammar.regex("[0-9]"), qwen)
+    allowed = matcher.allowed()
+    wide = matcher.mask(torch.zeros(allowed.shape[0] + 64))
+    assert torch.isinf(wide[allowed.shape[0] :]).all()
+    assert torch.equal(torch.isfinite(wide[: allowed.shape[0]]), allowed)
+    narrow = matcher.mask(torch.zeros(allowed.shape[0] - 10))
+    assert torch.equal(torch.isfinite(narrow), allowed[:-10])

@@ -68,6 +68,15 @@ async def answer(ctx: Context, n: int) -> dict:
     return {"text": g.text, "tokens": g.tokens, "finish_reason": g.finish_reason}
 
 
+async def chat(model, prompt: str, n: int) -> str:
+    """The chat example on the engine: a user turn, cue, ``n`` greedy tokens -> text."""
+    c = Context(model).user(prompt).cue()
+    try:
+        return (await c.generate(max_tokens=n)).text
+    finally:
+        c.close()
+
+
 async def media_qa(model, media, question: str, n: int, **params) -> tuple[dict, dict]:
     prepared = model.prepare(media, **params)
     return facts(prepared), await answer(Context(model).user(prepared, question).cue(), n)

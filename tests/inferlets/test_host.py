@@ -9,23 +9,14 @@ import json
 
 import pytest
 
-from engine import Context
 from inferlets import InferletRuntime, InvalidComponentError
 from tests.inferlets import direct
-
-
-async def _direct(model, prompt: str, n: int) -> str:
-    c = Context(model).user(prompt).cue()
-    try:
-        return (await c.generate(max_tokens=n)).text
-    finally:
-        c.close()
 
 
 def test_chat_equals_engine(rt, wasm, model) -> None:
     async def main():
         out = await rt.run_async(wasm, ["chat", "tiny", "Describe a cat.", "12"])
-        assert out == await _direct(model, "Describe a cat.", 12)
+        assert out == await direct.chat(model, "Describe a cat.", 12)
 
     asyncio.run(main())
 
@@ -34,7 +25,7 @@ def test_best_of_sends_each_branch(rt, wasm, model) -> None:
     async def main():
         sends: list[str] = []
         out = await rt.run_async(wasm, ["best-of", "tiny", "Hi", "6", "3"], on_send=sends.append)
-        want = await _direct(model, "Hi", 6)
+        want = await direct.chat(model, "Hi", 6)
         assert sends == [want] * 3  # greedy forks of one prefill agree
         assert out == want
 
@@ -73,7 +64,7 @@ def test_cli_run_prints_sends_then_result(wasm, model, capsys) -> None:
 
     cmd = [sys.executable, "-m", "api.cli", "inferlet", "run", str(wasm), "--model", "tiny", "--"]
     r = subprocess.run([*cmd, "best-of", "tiny", "Hi", "4", "2"], capture_output=True, text=True, timeout=120)
-    want = asyncio.run(_direct(model, "Hi", 4))
+    want = asyncio.run(direct.chat(model, "Hi", 4))
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [want] * 3
     # In-process from here on (no second interpreter start): typed errors exit 2 with
@@ -101,7 +92,7 @@ def test_concurrent_inferlets_share_forward_passes(rt, wasm, model, n) -> None:
         counted = stats.passes - p0, stats.steps - s0, stats.max_steps_in_pass
         stats.max_steps_in_pass = max(m0, stats.max_steps_in_pass)
         for i, out in enumerate(outs):
-            assert out == await _direct(model, f"Prompt {i}", 8)
+            assert out == await direct.chat(model, f"Prompt {i}", 8)
         return counted
 
     passes, steps, widest = asyncio.run(main())

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from engine import Context
 from inferlets import (
     InferletCancelledError,
     InferletFailedError,
@@ -26,14 +25,6 @@ LIMITS = RunLimits(
 PNG = base64.b64encode(direct.png(16, 16)).decode()
 
 
-async def _direct(model, prompt: str, n: int) -> str:
-    c = Context(model).user(prompt).cue()
-    try:
-        return (await c.generate(max_tokens=n)).text
-    finally:
-        c.close()
-
-
 def _against_good(rt, wasm, model, args, limits=LIMITS, control=None, after=None):
     """Run ``args`` beside a good chat inferlet; returns the bad run's exception."""
     in_use = model.pool.stats().in_use
@@ -44,7 +35,7 @@ def _against_good(rt, wasm, model, args, limits=LIMITS, control=None, after=None
         if after is not None:
             await after()
         res = await asyncio.gather(bad, good, return_exceptions=True)
-        assert res[1] == await _direct(model, "Hello", 8), res[1]
+        assert res[1] == await direct.chat(model, "Hello", 8), res[1]
         return res[0]
 
     err = asyncio.run(main())

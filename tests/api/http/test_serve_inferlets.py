@@ -185,3 +185,15 @@ def test_client_leaving_a_stream_cancels_its_run(server: Server, inferlet_id: st
         run_id = json.loads(first[len("data: ") :])["id"]
     run = _wait(server, inferlet_id, run_id, timeout=30)
     assert run["status"] == "cancelled"
+
+
+def test_delete_is_last(server: Server, inferlet_id: str) -> None:
+    """(Last in this file: the other tests use the uploaded component.)"""
+    r = httpx.delete(f"{server.v1}/inferlets/{inferlet_id}")
+    assert r.status_code == 200 and r.json() == {"id": inferlet_id, "object": "inferlet", "deleted": True}
+    assert httpx.get(f"{server.v1}/inferlets/{inferlet_id}").status_code == 404
+    assert (
+        httpx.post(f"{server.v1}/inferlets/{inferlet_id}/runs", json={"args": ["ping", "1"]}).status_code
+        == 404
+    )
+    assert httpx.delete(f"{server.v1}/inferlets/{inferlet_id}").status_code == 404
