@@ -324,16 +324,13 @@ def _tiny_png() -> bytes:
 
 def test_reduced_jpeg_decode(images: Path) -> None:
     data = (images / "photo_4032x3024.jpg").read_bytes()
-    t0 = time.perf_counter()
     full = Image.from_bytes(data)
-    t_full = time.perf_counter() - t0
-    t0 = time.perf_counter()
     small = Image.from_bytes(data, reduce_to=(1000, 750))
-    t_small = time.perf_counter() - t0
     assert small.size == (1008, 756)  # DCT scale 1/4; never below the request
     assert small.source_size == (4032, 3024) and full.source_size == (4032, 3024)
+    # The reduction happens in the decoder (no full-size buffer): a 16th of the pixels.
+    # (Its speed is a bench figure, never a timed assertion here.)
     assert small.nbytes * 10 < full.nbytes
-    assert t_small < t_full
     ref = np.asarray(full.to_pil().resize(small.size, PILImage.Resampling.BICUBIC), dtype=np.float32)
     diff = np.abs(small.to_numpy().astype(np.float32) - ref)
     assert diff.mean() < 4.0, diff.mean()
