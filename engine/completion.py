@@ -106,7 +106,7 @@ class Completion:
         if self._started:
             return self
         self._started = True
-        prepared = [await self._prepare_parts(t.parts) for t in self.turns]
+        prepared = await self._prepare_turns()
         root = Context(self.model, seed=self.params.seed)
         self._contexts.append(root)
         for adapter, scale in self.params.adapters:
@@ -125,10 +125,24 @@ class Completion:
         self._tasks = [asyncio.create_task(self._run(i, ctx)) for i, ctx in enumerate(choices)]
         return self
 
-    async def _prepare_parts(self, parts: Sequence[Any]) -> list[Any]:
-        out = []
-        for p in parts:
-            out.append(p if isinstance(p, str) else await asyncio.to_thread(self.model.prepare, p))
+    async def _prepare_turns(self) -> list[list[Any]]:
+        """Every media part of every turn prepared at once, each on a worker thread: Pillow
+        and torch release the GIL, so a request with several images uses several cores.
+        On a failure the first error (in request order) is raised once the rest are done."""
+        jobs = [
+            asyncio.to_thread(self.model.prepare, p)
+            for t in self.turns
+            for p in t.parts
+            if not isinstance(p, str)
+        ]
+        results = iter(await asyncio.gather(*jobs, return_exceptions=True))
+        out: list[list[Any]] = []
+        for t in self.turns:
+            out.append([p if isinstance(p, str) else next(results) for p in t.parts])
+        for parts in out:
+            for p in parts:
+                if isinstance(p, BaseException):
+                    raise p
         return out
 
     def _stop(self) -> stopping.StopCondition:

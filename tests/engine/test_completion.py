@@ -176,3 +176,41 @@ async def _gen_zero(model: Model):
     async with Context(model) as ctx:
         ctx.user("x").cue()
         await ctx.generate(max_tokens=0)
+
+
+def test_several_media_parts_prepared_together_keep_their_places(fresh_qwen: Model, samples) -> None:
+    """The parts of all turns are prepared concurrently; the prompt is still built in
+    request order (greedy tokens and prompt length equal the sequential Context)."""
+    a = Image.from_path(samples / "images" / "photo_640x480.jpg")
+    b = Image.from_path(samples / "images" / "rgba.png")
+    c = Image.from_path(samples / "images" / "cmyk.jpg")
+    turns = [
+        Turn("user", (a, "first", b, "second")),
+        Turn("assistant", ("ok",)),
+        Turn("user", ("and", c)),
+    ]
+    (r,), prompt = run_sync(complete(fresh_qwen, turns, CompletionParams(max_tokens=6)))
+
+    async def direct() -> tuple[list[int], int]:
+        async with Context(fresh_qwen) as ctx:
+            ctx.user(a, "first", b, "second").assistant("ok").user("and", c).cue()
+            n = len(ctx)
+            g = await ctx.generate(Sampler.greedy(), max_tokens(6) | eos(fresh_qwen.eos_token_ids))
+            return g.tokens, n
+
+    tokens, n = run_sync(direct())
+    assert r.tokens == tokens and prompt == n
+
+
+def test_a_bad_part_among_several_is_the_typed_error(fresh_qwen: Model, samples, photo: Image) -> None:
+    from media import Audio
+    from media.errors import PieMediaError
+
+    audio = Audio.from_path(samples / "audio" / "tone_44k1_stereo.mp3")
+    base = fresh_qwen.pool_stats().in_use
+    with pytest.raises(PieMediaError) as e:
+        run_sync(
+            complete(fresh_qwen, [Turn("user", (photo, "x", audio, photo))], CompletionParams(max_tokens=2))
+        )
+    assert "audio" in str(e.value).lower()
+    assert fresh_qwen.pool_stats().in_use == base
