@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -169,44 +170,67 @@ def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
 async def _turns(messages: list[ChatMessage], service: Service, accepts: set[str]) -> list[Turn]:
     limits = service.settings.limit_mm_per_prompt
     counts = {"image": 0, "audio": 0, "video": 0}
-    turns = []
-    for i, msg in enumerate(messages):
-        role = _ROLE[msg.role]
-        content = msg.content
-        if content is None or isinstance(content, str):
-            turns.append(Turn(role, (content or "",)))
-            continue
-        parts: list[Any] = []
-        for j, part in enumerate(content):
-            param = f"messages[{i}].content[{j}]"
-            if part.type == "text":
-                parts.append(part.text)
+    turns: list[tuple[str, list[Any]]] = []
+    fetches: list[Any] = []
+    try:
+        for i, msg in enumerate(messages):
+            role = _ROLE[msg.role]
+            content = msg.content
+            if content is None or isinstance(content, str):
+                turns.append((role, [content or ""]))
                 continue
-            kind = {"image_url": "image", "input_audio": "audio", "video_url": "video"}[part.type]
-            if kind not in accepts:
-                raise InvalidRequestError(
-                    f"this model takes {', '.join(sorted(accepts)) or 'no media'}, not {kind}",
-                    param=param,
-                    kind=kind,
-                )
-            counts[kind] += 1
-            if counts[kind] > limits.get(kind, 0):
-                raise ServiceError(
-                    "too_many_media_items",
-                    f"more than {limits.get(kind, 0)} {kind} item(s) in one request (--limit-mm-per-prompt)",
-                    param=param,
-                    limit=limits.get(kind, 0),
-                    kind=kind,
-                )
-            resolver = service.media
-            if part.type == "image_url":
-                parts.append(await resolver.from_url(part.image_url.url, "image"))
-            elif part.type == "video_url":
-                parts.append(await resolver.from_url(part.video_url.url, "video"))
-            else:
-                parts.append(await resolver.from_base64(part.input_audio.data, "audio"))
-        turns.append(Turn(role, tuple(parts)))
-    return turns
+            parts: list[Any] = []
+            for j, part in enumerate(content):
+                param = f"messages[{i}].content[{j}]"
+                if part.type == "text":
+                    parts.append(part.text)
+                    continue
+                kind = {"image_url": "image", "input_audio": "audio", "video_url": "video"}[part.type]
+                if kind not in accepts:
+                    raise InvalidRequestError(
+                        f"this model takes {', '.join(sorted(accepts)) or 'no media'}, not {kind}",
+                        param=param,
+                        kind=kind,
+                    )
+                counts[kind] += 1
+                if counts[kind] > limits.get(kind, 0):
+                    raise ServiceError(
+                        "too_many_media_items",
+                        f"more than {limits.get(kind, 0)} {kind} item(s) in one request (--limit-mm-per-prompt)",
+                        param=param,
+                        limit=limits.get(kind, 0),
+                        kind=kind,
+                    )
+                resolver = service.media
+                if part.type == "image_url":
+                    fetches.append(resolver.from_url(part.image_url.url, "image"))
+                elif part.type == "video_url":
+                    fetches.append(resolver.from_url(part.video_url.url, "video"))
+                else:
+                    fetches.append(resolver.from_base64(part.input_audio.data, "audio"))
+                parts.append(_Pending(len(fetches) - 1))
+            turns.append((role, parts))
+    except BaseException:
+        for pending in fetches:  # none was awaited yet: close them quietly
+            pending.close()
+        raise
+    # Every item is checked above before any is fetched or decoded; then all are fetched
+    # and decoded at once, and the first failure in request order is the answer.
+    media = await asyncio.gather(*fetches, return_exceptions=True)
+    for item in media:
+        if isinstance(item, BaseException):
+            raise item
+    return [
+        Turn(role, tuple(media[p.index] if isinstance(p, _Pending) else p for p in parts))
+        for role, parts in turns
+    ]
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A media part's place in the request while it is being fetched and decoded."""
+
+    index: int
 
 
 def _logprobs(service: Service, model: Any, ev: ChoiceEvent) -> TokenLogprob:

@@ -261,3 +261,36 @@ def test_openapi_lists_every_endpoint_and_errors(server: Server) -> None:
     assert {"400", "404", "413", "415", "429"} <= set(chat)
     docs = httpx.get(f"{server.url}/docs")
     assert docs.status_code == 200 and "cdn" not in docs.text.lower()
+
+
+def test_several_images_fetched_together_keep_their_order(
+    client: openai.OpenAI, samples: Path, local_qwen
+) -> None:
+    """The media of a request are fetched and decoded at once; the prompt keeps the
+    request's order (equal to the engine given the same parts in order), and a bad item
+    among good ones is its own typed 4xx."""
+    from media import Image
+
+    paths = [samples / "images" / n for n in ("photo_640x480.jpg", "rgba.png", "cmyk.jpg")]
+    mimes = ["image/jpeg", "image/png", "image/jpeg"]
+    content = []
+    for i, (p, m) in enumerate(zip(paths, mimes, strict=True)):
+        content += [
+            {"type": "image_url", "image_url": {"url": data_url(p, m)}},
+            {"type": "text", "text": f"#{i}"},
+        ]
+    r = client.chat.completions.create(
+        model=QWEN, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
+    )
+    parts = []
+    for i, p in enumerate(paths):
+        parts += [Image.from_path(p), f"#{i}"]
+    text, prompt, _ = in_process(local_qwen, tuple(parts), 8)
+    assert r.choices[0].message.content == text and r.usage.prompt_tokens == prompt
+
+    bad = content[:2] + [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(
+            model=QWEN, messages=[{"role": "user", "content": bad + content}], max_tokens=2
+        )
+    assert e.value.status_code == 400 and e.value.body["code"] == "corrupt"
