@@ -165,6 +165,8 @@ class FlashInferBackend:
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple[Any, ...], Any] = {}
         self._fallback_logged: set[int] = set()
+        self.plans = 0
+        """flashinfer ``plan`` calls made (one per pass, part kind and layer kind is right)."""
 
     @property
     def num_wrappers(self) -> int:
@@ -247,6 +249,7 @@ class FlashInferBackend:
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
 
     def _plan(self, wrapper: Any, part: _Part, layer_kind: tuple[Any, ...], page_size: int) -> None:
+        self.plans += 1
         heads, kv_heads, head_dim, window, softcap, scaling, q_dtype, kv_dtype = layer_kind
         common: dict[str, Any] = {
             "sm_scale": scaling,

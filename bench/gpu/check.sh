@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command on the GPU machine: install the carried wheels, compile flashinfer's kernels,
-# run the CUDA tests (flashinfer vs torch backend, bf16 and fp16), then the GPU benchmark.
+# run the CUDA tests (flashinfer vs torch backend, bf16 and fp16), the GPU benchmark, then a
+# profile of one decode pass at concurrency 32 (bench/gpu/profile_decode.py).
 # Every step's outcome and time go to OUT_DIR/gpu_check.json (the run goes on past a failed
 # step where it can); the benchmark writes OUT_DIR/gpu_bench.json and prints its table.
 #   bench/gpu/check.sh [--dry-run] [OUT_DIR]       (default OUT_DIR: bench/results)
@@ -43,7 +44,7 @@ PY
   rm -f "$STEPS"
 }
 
-run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/trim_wheel.py tests/engine/test_cuda.py" || { finish broken; exit 2; }
+run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/profile_decode.py bench/gpu/trim_wheel.py tests/engine/test_cuda.py" || { finish broken; exit 2; }
 
 check_wheels() {
   if ! ls "$WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
@@ -84,6 +85,7 @@ run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --coll
 
 if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   run_step "GPU bench smoke (CPU, tiny shapes)" "$PY" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
+  run_step "decode profile smoke (CPU, tiny shapes)" "$PY" bench/gpu/profile_decode.py --smoke --out "$OUT_DIR"
   echo "STOP: a CUDA GPU is needed from here on (CUDA tests, JIT compile, GPU benchmark)"
   finish dry-run
   exit 0
@@ -98,4 +100,7 @@ run_step "flashinfer JIT compile + backend tests (compile time included)" bash -
 run_step "CUDA test suite (flashinfer vs torch, bf16/fp16)" bash -o pipefail -c \
   "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
 run_step "GPU benchmark" "$PY" bench/gpu/bench.py --out "$OUT_DIR/gpu_bench.json"
+# Where a decode pass's time goes at concurrency 32 (host-bound or GPU-bound: whether CUDA
+# graphs would pay), flashinfer then torch attention.
+run_step "decode profile c=32 (flashinfer)" "$PY" bench/gpu/profile_decode.py --out "$OUT_DIR"
 finish done

@@ -37,6 +37,10 @@ def test_dry_run_stops_where_a_gpu_is_needed(tmp_path):
     smoke = json.loads((tmp_path / "out" / "gpu_bench_smoke.json").read_text())
     assert smoke["shapes"] == "tiny (smoke)" and not smoke["errors"]
     assert smoke["ours"]["torch"]["1"]["tokens"] > 0 and smoke["transformers"]["1"]["tok_s"] > 0
+    # the decode profile's CPU rehearsal: host ops of the forward worker were recorded
+    prof = json.loads((tmp_path / "out" / "decode_profile_smoke.json").read_text())
+    assert prof["passes"] >= 3 and prof["wall_ms_per_pass"] > 0
+    assert any("linear" in op["op"] or "mm" in op["op"] for op in prof["top_host_ops"])
     steps = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert steps["outcome"] == "dry-run" and all(s["status"] == "ok" for s in steps["steps"])
 

@@ -549,8 +549,10 @@ def test_one_plan_per_pass_and_layer_kind(fake_models):
     assert _FakeWrapper.calls.count(("plan", "prefill")) == 2
     assert sum(1 for c in _FakeWrapper.calls if c[0] == "run") == n_layers
     _FakeWrapper.calls.clear()
+    plans = model.runner.backend.plans  # the counter bench/gpu/profile_decode.py reads
     ctx.fill_tokens([5]).flush(return_logits=True)
     assert _FakeWrapper.calls.count(("plan", "decode")) == 2
+    assert model.runner.backend.plans - plans == 2
     assert [c for c in _FakeWrapper.calls if c[0] == "run"] == [("run", "_FakeDecode")] * n_layers
     ctx.close()
     model = fake_models[GEMMA_BLOCKS]
