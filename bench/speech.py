@@ -1,6 +1,6 @@
 """Speech out: real-time factor and time to first audio, ours vs transformers, side by side.
 
-``python -m bench.speech [--frames N] [--big]`` runs on the tiny CSM (and with ``--big`` also a random
+``python bench/speech.py [--frames N] [--big]`` (or ``python -m bench.speech``) runs on the tiny CSM (and with ``--big`` also a random
 CSM built in-process: backbone hidden 256, 4 layers; depth decoder hidden 128, 2 layers). Greedy, the
 same suppression on both sides, no eos (random weights), ``N`` frames (default 25 = 2 s of audio).
 
@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, this file's folder comes first on sys.path, and this file's name would
+# shadow the ``speech`` package: the repository root goes first instead.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 def _build_big():
