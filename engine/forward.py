@@ -92,7 +92,8 @@ class ForwardRunner:
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        seqs: list[SeqMeta] = []
+        tables: list[torch.Tensor] = []
+        blocks: list[torch.Tensor] = []
         media_rows: list[torch.Tensor] = []
         media: list[MediaRows] = []
         start = 0
@@ -112,21 +113,50 @@ class ForwardRunner:
             ids.extend(step.tokens)
             positions.append(step.positions)
             table = torch.tensor(step.pages[:need_pages], dtype=torch.long)
+            tables.append(table)
             rows = torch.arange(step.kv_start, step.kv_start + n)
             slots.append(table[rows // ps] * ps + rows % ps)
-            seqs.append(
-                SeqMeta(
-                    q_start=start,
-                    q_len=n,
-                    kv_start=step.kv_start,
-                    pages=table.to(dev),
-                    block_ids=step.block_ids.to(dev) if step.block_ids is not None else None,
-                )
-            )
+            if step.block_ids is not None:
+                blocks.append(step.block_ids.to(torch.long))
             for m in step.media:
                 media_rows.append(m.rows + start)
                 media.append(m)
             start += n
+
+        # Every index tensor of the pass reaches the device in one copy (on CUDA: from
+        # pinned memory, without a stream sync; one `.to(device)` per tensor would be a
+        # synchronising copy each, dozens per decode pass at high concurrency).
+        positions_cpu = torch.cat(positions, dim=1).to(torch.long)
+        (ids_d, positions_flat, slots_d, media_rows_d, pages_d, blocks_d) = _upload(
+            [
+                torch.tensor(ids, dtype=torch.long),
+                positions_cpu.reshape(-1),
+                torch.cat(slots),
+                torch.cat(media_rows) if media_rows else torch.empty(0, dtype=torch.long),
+                torch.cat(tables),
+                torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.long),
+            ],
+            dev,
+        )
+        seqs: list[SeqMeta] = []
+        at_q = at_page = at_block = 0
+        for step, table in zip(steps, tables, strict=True):
+            n = len(step.tokens)
+            block_ids = None
+            if step.block_ids is not None:
+                block_ids = blocks_d[at_block : at_block + n]
+                at_block += n
+            seqs.append(
+                SeqMeta(
+                    q_start=at_q,
+                    q_len=n,
+                    kv_start=step.kv_start,
+                    pages=pages_d[at_page : at_page + table.shape[0]],
+                    block_ids=block_ids,
+                )
+            )
+            at_q += n
+            at_page += table.shape[0]
 
         media_embeds, media_deepstack = self._encode(media)
         deepstack = None
@@ -139,18 +169,16 @@ class ForwardRunner:
                     parts.append(d[layer] if d and layer < len(d) else torch.zeros_like(emb))
                 deepstack.append(torch.cat(parts).to(dev))
         inp = TextInputs(
-            ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.cat(positions, dim=1).to(dev),
-            media_rows=torch.cat(media_rows).to(dev)
-            if media_rows
-            else torch.empty(0, dtype=torch.long, device=dev),
+            ids=ids_d,
+            positions=positions_flat.view(positions_cpu.shape),
+            media_rows=media_rows_d,
             media_embeds=torch.cat(media_embeds).to(dev) if media_embeds else None,
             deepstack=deepstack,
         )
         meta = BatchMeta(
             pool=self.pool,
             seqs=seqs,
-            slots=torch.cat(slots).to(dev),
+            slots=slots_d,
             block_overlay_layers=self.block_overlay_layers,
             backend=self.backend,
         )
@@ -225,3 +253,21 @@ class ForwardRunner:
             embeds.append(enc.embeddings[idx])
             deepstack.append([d[idx] for d in enc.deepstack] if enc.deepstack else None)
         return embeds, deepstack
+
+
+def _upload(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """1-D long CPU tensors -> views of one tensor on ``device``, copied in one transfer
+    (pinned and non-blocking on CUDA: the stream orders it before the kernels that read
+    it, and the host does not wait)."""
+    if device.type == "cpu":
+        return parts
+    flat = torch.cat(parts)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    out, at = [], 0
+    for p in parts:
+        out.append(flat[at : at + p.numel()])
+        at += p.numel()
+    return out
