@@ -4,14 +4,30 @@
 # profile of one decode pass at concurrency 32 (bench/gpu/profile_decode.py).
 # Every step's outcome and time go to OUT_DIR/gpu_check.json (the run goes on past a failed
 # step where it can); the benchmark writes OUT_DIR/gpu_bench.json and prints its table.
-#   bench/gpu/check.sh [--dry-run] [OUT_DIR]       (default OUT_DIR: bench/results)
+#   bench/gpu/check.sh [--dry-run] [--only tests,bench,profile] [OUT_DIR]
+#                                                  (default OUT_DIR: bench/results)
 # On the device tool:  run(command="bash bench/gpu/check.sh $OUT", carry=[".cache/gpu-wheels"])
+# A device command may run 10 minutes at most. Each GPU step has its own time limit
+# (GPU_TESTS_S, GPU_BENCH_S, GPU_PROFILE_S seconds; a step past it is recorded as failed and
+# the run goes on), and --only runs a part: on a warm machine the compiled kernels stay in
+# .cache/flashinfer-jit, so `--only tests` then `--only bench,profile` split the work in two.
 # --dry-run (runs anywhere): checks the scripts parse, the wheels, that the project imports
 # and the CUDA tests collect, and runs the benchmark's CPU smoke mode; then stops where a GPU
 # is needed, and says so.
 set -uo pipefail
 DRY=0
-if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+ONLY="tests,bench,profile"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1; shift ;;
+    --only) ONLY="${2:?--only needs a list: tests,bench,profile}"; shift 2 ;;
+    *) break ;;
+  esac
+done
+wants() { case ",$ONLY," in *",$1,"*) return 0 ;; esac; return 1; }
+for part in ${ONLY//,/ }; do
+  case "$part" in tests|bench|profile) ;; *) echo "unknown part '$part' (tests, bench, profile)" >&2; exit 2 ;; esac
+done
 OUT_DIR="${1:-bench/results}"
 WHEELS="${GPU_WHEELS:-.cache/gpu-wheels}"
 PY="${PY:-$(command -v python3)}"
@@ -95,12 +111,21 @@ fi
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache/flashinfer-jit}"
 export MAX_JOBS="${MAX_JOBS:-16}"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-run_step "flashinfer JIT compile + backend tests (compile time included)" bash -o pipefail -c \
-  "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_attention_flashinfer.py -x 2>&1 | tail -15"
-run_step "CUDA test suite (flashinfer vs torch, bf16/fp16)" bash -o pipefail -c \
-  "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
-run_step "GPU benchmark" "$PY" bench/gpu/bench.py --out "$OUT_DIR/gpu_bench.json"
-# Where a decode pass's time goes at concurrency 32 (host-bound or GPU-bound: whether CUDA
-# graphs would pay), flashinfer then torch attention.
-run_step "decode profile c=32 (flashinfer)" "$PY" bench/gpu/profile_decode.py --out "$OUT_DIR"
+TESTS_S="${GPU_TESTS_S:-300}"
+BENCH_S="${GPU_BENCH_S:-240}"
+PROFILE_S="${GPU_PROFILE_S:-150}"
+if wants tests; then
+  run_step "flashinfer JIT compile + backend tests (compile time included)" timeout "$TESTS_S" bash -o pipefail -c \
+    "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_attention_flashinfer.py -x 2>&1 | tail -15"
+  run_step "CUDA test suite (flashinfer vs torch, bf16/fp16)" timeout "$TESTS_S" bash -o pipefail -c \
+    "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
+fi
+if wants bench; then
+  run_step "GPU benchmark" timeout "$BENCH_S" "$PY" bench/gpu/bench.py --out "$OUT_DIR/gpu_bench.json"
+fi
+if wants profile; then
+  # Where a decode pass's time goes at concurrency 32 (host-bound or GPU-bound: whether
+  # CUDA graphs would pay), with flashinfer attention.
+  run_step "decode profile c=32 (flashinfer)" timeout "$PROFILE_S" "$PY" bench/gpu/profile_decode.py --out "$OUT_DIR"
+fi
 finish done

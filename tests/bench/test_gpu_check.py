@@ -49,3 +49,14 @@ def test_dry_run_refuses_a_missing_wheels_folder(tmp_path):
     done = _run(tmp_path, tmp_path / "nowhere")
     assert done.returncode == 2
     assert "fetch_wheels.sh" in done.stderr
+
+
+def test_only_takes_known_parts(tmp_path):
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--only", "tests,benchmark", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "unknown part 'benchmark'" in done.stderr
