@@ -238,6 +238,11 @@ def test_from_pil_and_from_array(images: Path) -> None:
     p = Image.from_pil(PILImage.fromarray(arr))
     assert np.array_equal(a.to_numpy(), arr) and np.array_equal(p.to_numpy(), arr)
     assert a.content_hash == p.content_hash != img.content_hash
+    # from_pil hashes band by band (256 rows): an odd height over several bands, and one
+    # shorter than a band, still hash like the whole array.
+    for h in (757, 13):
+        cut = PILImage.open(images / "photo_4032x3024.jpg").convert("RGB").crop((5, 7, 1006, 7 + h))
+        assert Image.from_pil(cut).content_hash == Image.from_array(np.asarray(cut)).content_hash
     # from_pil on a lazily opened file applies the same normalisation as from_bytes.
     rot = Image.from_pil(PILImage.open(images / "exif_rotated_6.jpg"))
     assert np.array_equal(rot.to_numpy(), load(images, "exif_rotated_6.jpg").to_numpy())
