@@ -88,3 +88,22 @@ def test_both_pass_orders_over_a_random_sweep(photo: PILImage.Image) -> None:
     assert split_is_exact()
     if int(PILImage.__version__.split(".")[0]) >= 13:
         assert orders == {True, False}
+
+
+def test_when_it_splits(photo: PILImage.Image, monkeypatch: pytest.MonkeyPatch) -> None:
+    import media.resize as mr
+
+    calls: list[tuple[int, int]] = []
+    real = mr.split_resize
+
+    def spy(im, w, h, resample, bands):
+        calls.append((w, h))
+        return real(im, w, h, resample, bands)
+
+    monkeypatch.setattr(mr, "split_resize", spy)
+    mr.resize(photo, (448, 336), R.BICUBIC, bands=2)  # a 0.76 MP source shrunk: split
+    mr.resize(photo, (448, 336), R.BICUBIC, bands=1)  # one band: the plain call
+    mr.resize(photo.crop((0, 0, 300, 300)), (100, 100), R.BICUBIC, bands=2)  # small source
+    monkeypatch.setattr(mr, "MAX_SPLIT_OUTPUT_PIXELS", 448 * 336 - 1)
+    mr.resize(photo, (448, 336), R.BICUBIC, bands=2)  # output over the cap
+    assert calls == [(448, 336)]
