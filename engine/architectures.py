@@ -239,6 +239,7 @@ class Gemma4(Architecture):
             raise UnsupportedArchitectureError(
                 "Gemma-4 with use_bidirectional_attention='all' is an encoder, not a generator"
             )
+        self._placeholders: dict[torch.device, torch.Tensor] = {}
         modes = list(tc.kv_sharing_modes)
         self._kv_source: dict[int, int] = {}
         for i, mode in enumerate(modes):
@@ -282,7 +283,10 @@ class Gemma4(Architecture):
     def hidden_states(self, inp: TextInputs, **attn_kwargs: Any) -> torch.Tensor:
         lm = self.language_model
         ids = inp.ids
-        placeholders = torch.tensor(sorted(self.placeholder_ids().values()), device=ids.device)
+        placeholders = self._placeholders.get(ids.device)
+        if placeholders is None:  # made once per device: no host-to-device copy per pass
+            placeholders = torch.tensor(sorted(self.placeholder_ids().values()), device=ids.device)
+            self._placeholders[ids.device] = placeholders
         pad = int(self.text_config.pad_token_id)
         llm_ids = torch.where(torch.isin(ids, placeholders), torch.full_like(ids, pad), ids)
         embeds = self._scatter(lm.embed_tokens(llm_ids), inp)

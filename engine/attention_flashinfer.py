@@ -188,7 +188,7 @@ class FlashInferBackend:
     ) -> torch.Tensor:
         kc, vc = meta.pool.kv(layer)
         _, page_size, kv_heads, head_dim = kc.shape
-        if self.head_dims is not None and head_dim not in self.head_dims:
+        if not self.covers(head_dim):
             # flashinfer's prebuilt kernels cover the usual head sizes only; a layer with
             # another (tiny test models: 16, 32) is attended by the torch backend, which
             # is correct on CUDA too.
@@ -233,20 +233,62 @@ class FlashInferBackend:
             meta.cache[pass_key] = True
         return wrapper
 
+    def workspace(self) -> torch.Tensor:
+        """The float workspace, shared by every wrapper (also the CUDA-graph ones): it only
+        holds split-KV partials during a run, and the runs of a pass are sequential on one
+        stream. Each wrapper keeps its own plan."""
+        if self._workspace is None:
+            self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def covers(self, head_dim: int) -> bool:
+        """Whether layers of this head size are attended by flashinfer (not the fallback)."""
+        return self.head_dims is None or head_dim in self.head_dims
+
+    def new_decode_wrapper(
+        self,
+        layer_kind: tuple[Any, ...],
+        graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        """A batch decode wrapper; with ``graph_buffers`` (indptr (B + 1,), indices
+        (max pages,), last page lengths (B,), int32 on the device) one for CUDA-graph
+        replay at batch size B, whose ``plan`` writes the page table into those buffers."""
+        import flashinfer
+
+        heads, kv_heads = layer_kind[0], layer_kind[1]
+        extra: dict[str, Any] = {}
+        if graph_buffers is not None:
+            indptr, indices, last = graph_buffers
+            extra = {
+                "use_cuda_graph": True,
+                "paged_kv_indptr_buffer": indptr,
+                "paged_kv_indices_buffer": indices,
+                "paged_kv_last_page_len_buffer": last,
+            }
+        # Tensor-core decode pays off for wide GQA groups (vLLM's rule of thumb: > 4).
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace(), "NHD", use_tensor_cores=heads // kv_heads > 4, **extra
+        )
+
+    def plan_decode(
+        self,
+        wrapper: Any,
+        layer_kind: tuple[Any, ...],
+        page_size: int,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+    ) -> None:
+        """Plan a decode wrapper for one pass (int32 page table as ``page_tables`` gives)."""
+        part = _Part("decode", [], None, kv_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        self._plan(wrapper, part, layer_kind, page_size)
+
     def _new_wrapper(self, kind: PartKind, layer_kind: tuple[Any, ...]) -> Any:
         import flashinfer
 
-        if self._workspace is None:
-            # Shared by every wrapper: it only holds split-KV partials during a run, and the
-            # runs of a pass are sequential on one stream. Each wrapper keeps its own plan.
-            self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
         if kind == "decode":
-            heads, kv_heads = layer_kind[0], layer_kind[1]
-            # Tensor-core decode pays off for wide GQA groups (vLLM's rule of thumb: > 4).
-            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_tensor_cores=heads // kv_heads > 4
-            )
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            return self.new_decode_wrapper(layer_kind)
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(), "NHD")
 
     def _plan(self, wrapper: Any, part: _Part, layer_kind: tuple[Any, ...], page_size: int) -> None:
         self.plans += 1

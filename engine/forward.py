@@ -24,6 +24,7 @@ from engine.lora import pass_adapters
 
 if TYPE_CHECKING:
     from encoders import Encoded, Prepared
+    from engine.decode_graphs import DecodeGraphs
 
 LogitsWanted = Literal["none", "last", "all", "hidden", "states", "last+hidden"]
 """What a step wants back: nothing, the last row's logits, every row's logits, the last
@@ -80,6 +81,8 @@ class ForwardRunner:
         self.block_overlay_layers = arch.block_overlay_layers()
         self.passes = 0
         self.rows_computed = 0
+        self.graphs: DecodeGraphs | None = None
+        """One-token decode passes replayed from CUDA graphs (``engine.decode_graphs``), or None."""
 
     def run(self, steps: list[StepInput]) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
         """Per step: (V,) logits for "last", (rows, V) for "all", the last row's (H,) final
@@ -87,6 +90,8 @@ class ForwardRunner:
         None for "none"."""
         if not steps:
             return []
+        if self.graphs is not None and self.graphs.takes(steps):
+            return list(self.graphs.run(steps))
         dev = self.device
         ps = self.pool.page_size
         ids: list[int] = []

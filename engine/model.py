@@ -117,6 +117,7 @@ class Model:
         encoder_cache: EncoderCache | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         attention: str = "auto",
+        cuda_graphs: int = 0,
     ) -> Model:
         """Load the checkpoint directory ``path`` (a tiny fixture name is resolved to its
         directory by ``api.model_ref``; here it is a ``ModelLoadError``).
@@ -127,7 +128,10 @@ class Model:
         chunk (a media span longer than that is still prefilled whole). attention: the
         attention backend, "auto" (flashinfer on CUDA with float16/bfloat16 when it
         imports, else torch), "torch" or "flashinfer" (``AttentionBackendUnavailableError``
-        when it cannot run here).
+        when it cannot run here). cuda_graphs: replay one-token decode passes of up to this
+        many contexts from CUDA graphs (``engine.decode_graphs``; 0, the default: off). It
+        needs CUDA and the flashinfer backend with kernels for the model's head size; else
+        ``InvalidRequestError`` says which is missing.
         """
         check_attention_choice(attention)
         path = resolve_checkpoint(path)
@@ -161,7 +165,11 @@ class Model:
             budget = kv_memory if kv_memory is not None else _default_kv_bytes(dev)
             kv_pages = max(1, budget // per_page)
         pool = KVPool(layouts, num_pages=int(kv_pages), page_size=page_size, dtype=dtype, device=dev)
-        return cls(
+        if cuda_graphs < 0:
+            raise InvalidRequestError(f"cuda_graphs must be >= 0 (0: off), got {cuda_graphs}")
+        if cuda_graphs and dev.type != "cuda":
+            raise InvalidRequestError(f"cuda_graphs needs a CUDA device; this model is on {dev}")
+        model = cls(
             path=path,
             config=config,
             hf=hf,
@@ -177,6 +185,14 @@ class Model:
             chat_template_kwargs=chat_template_kwargs or {},
             attention=backend,
         )
+        if cuda_graphs:
+            from engine.decode_graphs import DecodeGraphs
+
+            try:
+                model.runner.graphs = DecodeGraphs(model.runner, max_batch=cuda_graphs)
+            except ValueError as e:
+                raise InvalidRequestError(f"cuda_graphs cannot be used with this model: {e}") from None
+        return model
 
     # -- facts ------------------------------------------------------------------------------
     @property

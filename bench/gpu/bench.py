@@ -11,8 +11,9 @@ downloaded). For each concurrency: that many 448x448 images captioned at once, g
 exactly ``--tokens`` new tokens each (random weights rarely say EOS; when they do, tokens
 are counted as generated):
 
-* ours (``engine.Model``, continuous batching), per attention backend (flashinfer and
-  torch on CUDA): tokens/s, images/s, time to first token (p50, p90);
+* ours (``engine.Model``, continuous batching), per attention backend (flashinfer,
+  flashinfer with CUDA-graph decode, and torch on CUDA): tokens/s, images/s, time to
+  first token (p50, p90);
 * transformers ``generate`` on the same weights, one left-padded batch: tokens/s,
   images/s, and its time to first token (a ``max_new_tokens=1`` batch);
 * the vision encoder alone: ours, ms per image.
@@ -194,6 +195,11 @@ def encoder_ms(model, size: int, device: str, n: int = 8) -> float:
     return 1e3 * (time.perf_counter() - t0) / n
 
 
+def _save_partial(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**result, "partial": True}, indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -218,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in (args.concurrency or ("2,1" if args.smoke else "1,8,32")).split(",")]
     tokens = args.tokens or (3 if args.smoke else 32)
     size = args.size or (64 if args.smoke else 448)
-    backends = ["flashinfer", "torch"] if cuda else ["torch"]
+    # "flashinfer+graphs": decode passes of up to 64 contexts replayed from CUDA graphs.
+    backends = ["flashinfer", "flashinfer+graphs", "torch"] if cuda else ["torch"]
     if not cuda and not args.smoke:
         print("no CUDA device: running the smoke configuration", file=sys.stderr)
         args.smoke = True
@@ -244,7 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 # 1024 pages of 32 rows: 32k rows (~3.7 GB of bf16 K/V at 2B shapes), enough
                 # for 32 captions of ~300 rows without taking the whole GPU.
-                model = Model.load(path, device=device, dtype=dtype, attention=backend, kv_pages=1024)
+                model = Model.load(
+                    path,
+                    device=device,
+                    dtype=dtype,
+                    attention=backend.split("+")[0],
+                    kv_pages=1024,
+                    cuda_graphs=64 if backend.endswith("+graphs") else 0,
+                )
             except Exception as e:  # noqa: BLE001 - recorded; the other backend still runs
                 result["errors"][backend] = f"{type(e).__name__}: {e}"
                 continue
@@ -256,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001
                     result["errors"][f"{backend}@{c}"] = f"{type(e).__name__}: {e}"
             result["ours"][backend] = rows
+            _save_partial(result, args.out)  # a run cut off by its time limit keeps what it measured
             result.setdefault("encoder_ms_per_image", {})[backend] = encoder_ms(model, size, device)
             del model
             gc.collect()  # the pool goes before the next backend's model loads

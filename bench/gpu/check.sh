@@ -112,7 +112,7 @@ export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache/flash
 export MAX_JOBS="${MAX_JOBS:-16}"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 TESTS_S="${GPU_TESTS_S:-300}"
-BENCH_S="${GPU_BENCH_S:-240}"
+BENCH_S="${GPU_BENCH_S:-300}"
 PROFILE_S="${GPU_PROFILE_S:-150}"
 if wants tests; then
   run_step "flashinfer JIT compile + backend tests (compile time included)" timeout "$TESTS_S" bash -o pipefail -c \
@@ -127,5 +127,7 @@ if wants profile; then
   # Where a decode pass's time goes at concurrency 32 (host-bound or GPU-bound: whether
   # CUDA graphs would pay), with flashinfer attention.
   run_step "decode profile c=32 (flashinfer)" timeout "$PROFILE_S" "$PY" bench/gpu/profile_decode.py --out "$OUT_DIR"
+  run_step "decode profile c=32 (flashinfer, CUDA graphs)" timeout "$PROFILE_S" \
+    "$PY" bench/gpu/profile_decode.py --cuda-graphs 64 --out "$OUT_DIR"
 fi
 finish done

@@ -1,6 +1,6 @@
 """Where one decode pass's time goes, at concurrency 32 (issue: CUDA graphs and the decode step).
 
-    python bench/gpu/profile_decode.py [--backend flashinfer] [--concurrency 32] [--out DIR]
+    python bench/gpu/profile_decode.py [--backend flashinfer] [--concurrency 32] [--cuda-graphs 64] [--out DIR]
     python bench/gpu/profile_decode.py --smoke     # CPU rehearsal: tiny shapes
 
 ``--concurrency`` contexts (random Qwen3-VL-2B shapes in bf16 on CUDA, the same checkpoint
@@ -16,7 +16,9 @@ scheduler batching them) run under ``torch.profiler``. Printed and written as JS
 * the top operators by host time and by device time.
 
 The verdict line says whether capturing the decode step in CUDA graphs is worth doing:
-launch overhead dominates when the GPU is busy for under half of the pass. A Chrome trace
+launch overhead dominates when the GPU is busy for under half of the pass. With
+``--cuda-graphs N`` the same passes replay from graphs (``engine.decode_graphs``): the
+before/after pair is ``decode_profile.json`` and ``decode_profile_graphs64.json``. A Chrome trace
 (``decode_trace.json``) goes beside the JSON for a closer look.
 """
 
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrency", type=int, default=None, help="contexts decoding at once (default 32; smoke 4)"
     )
     ap.add_argument("--steps", type=int, default=None, help="decode passes profiled (default 16; smoke 3)")
+    ap.add_argument(
+        "--cuda-graphs", type=int, default=0, help="replay decode passes from CUDA graphs (max batch; 0 off)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
 
@@ -211,13 +216,27 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(Path(tmp), smoke=not cuda, device=device, dtype=dtype)
-        model = Model.load(path, device=device, dtype=dtype, attention=backend, kv_pages=256 if cuda else 64)
-        result = profile(
-            model, concurrency, steps, warmup=3, device=device, trace=args.out / "decode_trace.json"
+        graphs = args.cuda_graphs if cuda else 0
+        model = Model.load(
+            path,
+            device=device,
+            dtype=dtype,
+            attention=backend,
+            kv_pages=256 if cuda else 64,
+            cuda_graphs=graphs,
         )
-    result.update(backend=backend, dtype=str(dtype), shapes="Qwen3-VL-2B" if cuda else "tiny (smoke)")
+        tag = f"_graphs{graphs}" if graphs else ""
+        result = profile(
+            model, concurrency, steps, warmup=3, device=device, trace=args.out / f"decode_trace{tag}.json"
+        )
+    result.update(
+        backend=backend,
+        cuda_graphs=graphs,
+        dtype=str(dtype),
+        shapes="Qwen3-VL-2B" if cuda else "tiny (smoke)",
+    )
     print_table(result)
-    out = args.out / ("decode_profile.json" if cuda else "decode_profile_smoke.json")
+    out = args.out / (f"decode_profile{tag}.json" if cuda else "decode_profile_smoke.json")
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return 0

@@ -37,3 +37,51 @@ def test_gpu_logits_and_greedy(refs, name, tiny_dir):
     tokens = ctx.generate(Sampler.greedy(), max_tokens(8)).tokens
     assert tokens == reference_greedy(refs[name], 8, **ref_ctx_inputs)
     ctx.close()
+
+
+@pytest.fixture(scope="module")
+def qwen_head64(tmp_path_factory, tiny_dir):
+    """The tiny Qwen3-VL with head size 64 (flashinfer has kernels for it; the fixture's 16
+    goes to the torch fallback), random bf16 weights built on the GPU."""
+    import shutil
+
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from fixtures import tiny_qwen3_vl
+
+    cfg = tiny_qwen3_vl.config_dict()
+    cfg["text_config"].update(hidden_size=256, head_dim=64, intermediate_size=512)
+    cfg["text_config"]["rope_parameters"] = {
+        **cfg["text_config"]["rope_parameters"],
+        "mrope_section": [16, 8, 8],
+    }
+    cfg["vision_config"]["out_hidden_size"] = 256
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**cfg)).to(torch.bfloat16).eval()
+    folder = tmp_path_factory.mktemp("qwen-head64")
+    hf.save_pretrained(folder)
+    for f in tiny_dir(TINY_QWEN).iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_cuda_graph_decode_equals_plain_flashinfer(qwen_head64):
+    """Real capture and replay (engine.decode_graphs): five contexts, one with an image,
+    decoded together with shrinking batches, equal to the same flashinfer engine without
+    graphs (greedy tokens; top probabilities within bf16 noise)."""
+    pytest.importorskip("flashinfer")
+    from tests.engine.test_decode_graphs import _decode_all
+
+    kw = {"device": "cuda", "dtype": torch.bfloat16, "attention": "flashinfer", "kv_pages": 256}
+    plain = Model.load(qwen_head64, **kw)
+    graphs = Model.load(qwen_head64, cuda_graphs=8, **kw)
+    lengths = [9, 3, 7, 5, 12]
+    p_plain, p_graph = [], []
+    assert _decode_all(graphs, lengths, p_graph) == _decode_all(plain, lengths, p_plain)
+    g = graphs.runner.graphs
+    assert g.captures >= 4 and g.replays >= max(lengths) - 1, g
+    for mine, theirs in zip(p_graph, p_plain, strict=True):
+        for (_, pa), (_, pb) in zip(mine, theirs, strict=True):
+            assert (pa[:3] - pb[:3]).abs().max().item() < 2e-2

@@ -1,0 +1,289 @@
+"""Decode passes replayed from CUDA graphs (flashinfer attention).
+
+A decode pass at high concurrency is host-bound: the GPU work of one token per context is
+small, and the host launches every kernel of every layer from Python (transformers'
+modules, our attention hook). A CUDA graph of the whole pass (embedding, layers, final
+norm, LM head) is launched once instead. ``bench/gpu/profile_decode.py`` measures which
+side bounds the pass.
+
+What is captured: per batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to
+``max_batch``), the language model and LM head over static input buffers (token ids,
+positions, K/V slots) into a static logits buffer, with attention by flashinfer decode
+wrappers made for graphs (``use_cuda_graph=True``: their page tables live in fixed
+buffers, one set per bucket and layer kind). A pass of B steps runs in its bucket: rows
+past B read token 0 at position 0 and write their K/V into a scratch page held for them
+(one page of the pool, never given to a context); their attention reads only that page.
+Before each replay the host plans the wrappers with the pass's page tables (this writes
+the fixed buffers) and copies the inputs into the static buffers, without a sync.
+
+Which passes: every step one new row wanting the last row's logits, no media rows, no
+bidirectional blocks, no LoRA adapters, at most ``max_batch`` steps, and a flashinfer
+backend with kernels for every layer's head size. Anything else runs as usual.
+
+``capture=False`` runs the same static-buffer function eagerly instead of replaying a
+graph: everything but the capture itself, which is how it is tested without a GPU (with a
+stand-in flashinfer that reads the fixed buffers as the kernels do). Why by hand: vLLM and
+SGLang do this inside their own runners; there is no library to call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.architectures import TextInputs
+from engine.attention import TORCH_BACKEND, BatchMeta
+
+if TYPE_CHECKING:
+    from engine.attention_flashinfer import FlashInferBackend
+    from engine.forward import ForwardRunner, StepInput
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class _BucketAttention:
+    """The attention backend of one bucket's passes: graph decode wrappers per layer kind."""
+
+    name = "flashinfer-graph"
+
+    def __init__(self, owner: DecodeGraphs, bucket: int):
+        self.owner = owner
+        self.bucket = bucket
+        self.wrappers: dict[tuple[Any, ...], Any] = {}
+        self.planned: set[tuple[Any, ...]] = set()
+        self.table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def begin(self, table: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """A new pass: plan every wrapper made so far with its page table."""
+        self.table = table
+        self.planned.clear()
+        for kind, wrapper in self.wrappers.items():
+            self._plan(kind, wrapper)
+
+    def _plan(self, kind: tuple[Any, ...], wrapper: Any) -> None:
+        assert self.table is not None
+        indptr, indices, last = self.table
+        self.owner.backend.plan_decode(wrapper, kind, self.owner.page_size, indptr, indices, last)
+        self.planned.add(kind)
+
+    def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        TORCH_BACKEND.write(meta, layer, key, value)
+
+    def attend(
+        self,
+        meta: BatchMeta,
+        layer: int,
+        query: torch.Tensor,
+        *,
+        scaling: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        kc, vc = meta.pool.kv(layer)
+        kv_heads, head_dim = kc.shape[2], kc.shape[3]
+        q = query[0].transpose(0, 1)  # (rows, heads, head_dim)
+        kind = (query.shape[1], kv_heads, head_dim, sliding_window, softcap, scaling, q.dtype, kc.dtype)
+        wrapper = self.wrappers.get(kind)
+        if wrapper is None or kind not in self.planned:
+            if self.owner.capturing:
+                raise RuntimeError(f"layer kind {kind} met for the first time while capturing")
+            if wrapper is None:
+                wrapper = self.wrappers[kind] = self.owner.backend.new_decode_wrapper(
+                    kind, self.owner.page_table_buffers(self.bucket)
+                )
+            self._plan(kind, wrapper)
+        return wrapper.run(q.contiguous(), (kc, vc)).transpose(0, 1).unsqueeze(0)
+
+
+class DecodeGraphs:
+    """Replays one-token decode passes from CUDA graphs (see the module doc)."""
+
+    def __init__(self, runner: ForwardRunner, *, max_batch: int = 64, capture: bool | None = None):
+        from engine.attention_flashinfer import FlashInferBackend
+
+        backend = runner.backend
+        if not isinstance(backend, FlashInferBackend):
+            raise ValueError("CUDA-graph decode needs the flashinfer attention backend")
+        missing = sorted({lay.head_dim for lay in runner.pool.layers if not backend.covers(lay.head_dim)})
+        if missing:
+            raise ValueError(f"flashinfer has no kernels for head size(s) {missing} of this model")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.runner = runner
+        self.backend: FlashInferBackend = backend
+        self.pool = runner.pool
+        self.arch = runner.arch
+        self.device = runner.device
+        self.page_size = runner.pool.page_size
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.max_batch = max_batch
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.scratch_page = self.pool.allocate(1)[0]
+        dev = self.device
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(self.arch.position_axes, max_batch, dtype=torch.long, device=dev)
+        self.slots = torch.full(
+            (max_batch,), self.scratch_page * self.page_size, dtype=torch.long, device=dev
+        )
+        self.logits = torch.zeros(max_batch, self.arch.vocab_size, dtype=torch.float32, device=dev)
+        self._no_rows = torch.empty(0, dtype=torch.long, device=dev)
+        self._attention: dict[int, _BucketAttention] = {}
+        self._buffers: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._graphs: dict[int, Any] = {}
+        self._mempool: Any = None
+        self.capturing = False
+        self.replays = 0
+        """Passes replayed from a graph (or, with ``capture=False``, run eagerly through
+        the static buffers)."""
+        self.captures = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodeGraphs(buckets={self.buckets}, captured={sorted(self._graphs)}, "
+            f"replays={self.replays}, capture={self.capture})"
+        )
+
+    # -- which passes -------------------------------------------------------------------------
+    def takes(self, steps: Sequence[StepInput]) -> bool:
+        return 0 < len(steps) <= self.max_batch and all(
+            len(s.tokens) == 1
+            and s.logits == "last"
+            and not s.media
+            and s.block_ids is None
+            and not s.adapters
+            for s in steps
+        )
+
+    def page_table_buffers(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fixed page-table buffers for one more graph wrapper of ``bucket`` (each wrapper
+        has its own: flashinfer writes its plan's table into them)."""
+        dev = self.device
+        bufs = (
+            torch.zeros(bucket + 1, dtype=torch.int32, device=dev),
+            torch.zeros(self.pool.num_pages, dtype=torch.int32, device=dev),
+            torch.zeros(bucket, dtype=torch.int32, device=dev),
+        )
+        self._buffers.setdefault(bucket, []).append(bufs)
+        return bufs
+
+    # -- a pass -------------------------------------------------------------------------------
+    def run(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
+        """(V,) float32 logits per step, as ``ForwardRunner.run`` gives for "last"."""
+        n = len(steps)
+        bucket = next(b for b in self.buckets if b >= n)
+        ps = self.page_size
+        ids = torch.zeros(bucket, dtype=torch.long)
+        positions = torch.zeros(self.arch.position_axes, bucket, dtype=torch.long)
+        slots = torch.full((bucket,), self.scratch_page * ps, dtype=torch.long)
+        last = torch.ones(bucket, dtype=torch.int32)
+        counts = torch.ones(bucket, dtype=torch.int32)
+        tables: list[list[int]] = []
+        for i, step in enumerate(steps):
+            kv_len = step.kv_start + 1
+            pages = step.pages[: -(-kv_len // ps)]
+            if len(pages) * ps < kv_len:
+                raise RuntimeError(f"page table covers {len(pages) * ps} rows, {kv_len} needed")
+            ids[i] = step.tokens[0]
+            positions[:, i] = step.positions[:, 0]
+            slots[i] = pages[step.kv_start // ps] * ps + step.kv_start % ps
+            last[i] = kv_len - (len(pages) - 1) * ps
+            counts[i] = len(pages)
+            tables.append(list(pages))
+        tables.extend([[self.scratch_page]] * (bucket - n))
+        indptr = torch.zeros(bucket + 1, dtype=torch.int32)
+        indptr[1:] = counts.cumsum(0)
+        indices = torch.tensor([p for t in tables for p in t], dtype=torch.int32)
+
+        with torch.inference_mode():
+            _stage(self.ids[:bucket], ids)
+            _stage(self.positions[:, :bucket], positions)
+            _stage(self.slots[:bucket], slots)
+            attention = self._attention.get(bucket)
+            if attention is None:
+                attention = self._attention[bucket] = _BucketAttention(self, bucket)
+            attention.begin((indptr, _to_device(indices, self.device), last))
+            if self.capture:
+                graph = self._graphs.get(bucket)
+                if graph is None:
+                    graph = self._capture(bucket)
+                graph.replay()
+            else:
+                self._forward(bucket)
+            out = self.logits[:n].clone()
+        self.replays += 1
+        self.runner.passes += 1
+        self.runner.rows_computed += n
+        return list(out)
+
+    def _forward(self, bucket: int) -> None:
+        inp = TextInputs(
+            ids=self.ids[:bucket],
+            positions=self.positions[:, :bucket],
+            media_rows=self._no_rows,
+            media_embeds=None,
+            deepstack=None,
+        )
+        meta = BatchMeta(
+            pool=self.pool,
+            seqs=[],
+            slots=self.slots[:bucket],
+            backend=self._attention[bucket],  # type: ignore[arg-type]
+        )
+        hidden = self.arch.hidden_states(inp, pie_batch=meta)
+        self.logits[:bucket].copy_(self.arch.logits(hidden).float())
+
+    def _capture(self, bucket: int) -> Any:
+        """Warm up on a side stream (the pass's own inputs: K/V writes are idempotent, so
+        the warm-up runs are this pass computed twice), then capture one run."""
+        dev = self.device
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        self.capturing = True
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                self._forward(bucket)
+        finally:
+            self.capturing = False
+        self._graphs[bucket] = graph
+        self.captures += 1
+        log.info(
+            "captured the decode pass for batch size %d (%d wrapper kinds)",
+            bucket,
+            len(self._attention[bucket].wrappers),
+        )
+        return graph
+
+    def close(self) -> None:
+        """Drop the graphs and give the scratch page back."""
+        self._graphs.clear()
+        self._attention.clear()
+        self._buffers.clear()
+        if self.scratch_page is not None:
+            self.pool.decref([self.scratch_page])
+            self.scratch_page = None  # type: ignore[assignment]
+
+
+def _stage(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a CPU tensor into a device buffer; on CUDA from pinned memory, no host sync."""
+    if dst.device.type == "cuda":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+def _to_device(src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return src.pin_memory().to(device, non_blocking=True)
+    return src.to(device)

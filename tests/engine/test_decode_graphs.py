@@ -1,0 +1,170 @@
+"""CUDA-graph decode (engine.decode_graphs), rehearsed on the CPU.
+
+``capture=False`` runs the graph's function eagerly through the same static buffers, the
+padded buckets, the scratch page and the fixed page-table buffers of graph decode wrappers
+(the stand-in flashinfer reads those buffers at run time, as a replayed kernel does). Only
+the capture itself needs a GPU (tests/engine/test_cuda.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+
+import pytest
+import torch
+
+from engine import Context, InvalidRequestError, Model, Sampler, max_tokens
+from engine.attention_flashinfer import FlashInferBackend
+from engine.decode_graphs import DecodeGraphs
+from engine.forward import StepInput
+from media import Image
+from tests.engine.conftest import TINY_GEMMA, TINY_QWEN
+from tests.engine.fake_flashinfer import _FakeDecode, _FakePrefill, _FakeWrapper
+from tests.engine.test_parity_media import IMG_A
+
+PROMPTS = [
+    "Tell me about the sea.",
+    "Count to five.",
+    "A haiku about paging, please, and be brief about it.",
+    "Why?",
+    "Name three colours that go well together in a painting of a harbour.",
+]
+
+
+@pytest.fixture(scope="module")
+def fake_flashinfer():
+    fake = types.ModuleType("flashinfer")
+    fake.__version__ = "fake"
+    fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
+    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
+    _FakeWrapper.calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "flashinfer", fake)
+        yield fake
+
+
+def _on_fake(tiny_dir, name: str) -> Model:
+    model = Model.load(tiny_dir(name), kv_pages=256, device="cpu", attention="torch")
+    model.runner.backend = FlashInferBackend("cpu", workspace_bytes=1024, head_dims=None)
+    model.attention_backend = "flashinfer"
+    return model
+
+
+@pytest.fixture(scope="module")
+def pairs(fake_flashinfer, tiny_dir):
+    """Per family: (the engine on the stand-in flashinfer, the same with graph decode)."""
+    out = {}
+    for name in (TINY_QWEN, TINY_GEMMA):
+        plain, graphs = _on_fake(tiny_dir, name), _on_fake(tiny_dir, name)
+        graphs.runner.graphs = DecodeGraphs(graphs.runner, max_batch=8, capture=False)
+        out[name] = (plain, graphs)
+    return out
+
+
+def _decode_all(model: Model, lengths: list[int], probs: list[list] | None = None) -> list[list[int]]:
+    """Five contexts (one with an image) prefilled, then decoded together, greedy; they
+    stop after different numbers of tokens, so the batch shrinks pass by pass. ``probs``
+    collects each context's top-8 probabilities per step."""
+    seen: list[list] = probs if probs is not None else []
+    seen[:] = [[] for _ in PROMPTS]
+
+    def greedy_recording(i: int) -> Sampler:
+        def pick(ids, p):
+            seen[i].append((list(ids[:8]), torch.as_tensor(p[:8], dtype=torch.float64)))
+            return ids[0]
+
+        return Sampler.custom(pick, temperature=0.0, candidates=8)
+
+    async def go() -> list[list[int]]:
+        contexts = []
+        for i, prompt in enumerate(PROMPTS):
+            ctx = Context(model)
+            if i == 2:
+                ctx.user(Image.from_bytes(IMG_A), prompt)
+            else:
+                ctx.user(prompt)
+            contexts.append(ctx.cue())
+        try:
+            await asyncio.gather(*(c.flush() for c in contexts))
+            gens = await asyncio.gather(
+                *(
+                    c.generate(greedy_recording(i), max_tokens(n))
+                    for i, (c, n) in enumerate(zip(contexts, lengths, strict=True))
+                )
+            )
+            return [g.tokens for g in gens]
+        finally:
+            for c in contexts:
+                c.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("name", [TINY_QWEN, TINY_GEMMA])
+def test_graph_decode_equals_plain_decode(pairs, name):
+    plain, graphs = pairs[name]
+    lengths = [9, 3, 7, 5, 12]
+    g = graphs.runner.graphs
+    before = g.replays
+    p_ours, p_plain = [], []
+    ours = _decode_all(graphs, lengths, p_ours)
+    assert ours == _decode_all(plain, lengths, p_plain)
+    # The distributions too (fp32 on the CPU: the padded batch and the plain one differ
+    # only in how the BLAS blocks their sums, ~1e-7 in a probability).
+    for mine, theirs in zip(p_ours, p_plain, strict=True):
+        for (ids_a, pa), (ids_b, pb) in zip(mine, theirs, strict=True):
+            assert ids_a[:3] == ids_b[:3]
+            assert (pa[:3] - pb[:3]).abs().max().item() < 1e-5
+    assert [len(t) for t in ours] == lengths
+    # Every decode pass but the first (the prompts' last-row logits come with prefill) ran
+    # through the static buffers, in shrinking buckets.
+    assert g.replays - before >= max(lengths) - 1
+    assert {8, 4, 2, 1} <= set(g._attention)
+    assert g.scratch_page not in {p for c in graphs.live_contexts for p in getattr(c, "pages", [])}
+
+
+def test_padding_rows_use_only_the_scratch_page(pairs):
+    _, graphs = pairs[TINY_QWEN]
+    g = graphs.runner.graphs
+    _decode_all(graphs, [4, 4, 4, 4, 4])  # 5 contexts: bucket 8, three padding rows
+    attention = g._attention[8]
+    for ind_buf, idx_buf, last_buf in g._buffers[8]:
+        indptr = ind_buf.tolist()
+        padding = [idx_buf[indptr[i] : indptr[i + 1]].tolist() for i in range(5, 8)]
+        assert padding == [[g.scratch_page]] * 3 and last_buf[5:].tolist() == [1, 1, 1]
+    assert attention.wrappers and all(w.graph for w in attention.wrappers.values())
+    assert graphs.pool.refcount(g.scratch_page) == 1  # held by the graphs alone
+
+
+def test_which_passes_take_the_graphs(pairs):
+    _, graphs = pairs[TINY_QWEN]
+    g = graphs.runner.graphs
+    pos = torch.zeros(3, 1, dtype=torch.long)
+    one = StepInput(tokens=[5], positions=pos, kv_start=3, pages=[0])
+    assert g.takes([one] * 8) and not g.takes([one] * 9) and not g.takes([])
+    assert not g.takes(
+        [StepInput(tokens=[5, 6], positions=torch.zeros(3, 2, dtype=torch.long), kv_start=3, pages=[0])]
+    )
+    assert not g.takes([StepInput(tokens=[5], positions=pos, kv_start=3, pages=[0], logits="all")])
+    assert not g.takes(
+        [StepInput(tokens=[5], positions=pos, kv_start=3, pages=[0], adapters=((object(), 1.0),))]
+    )
+    assert "DecodeGraphs(buckets=[1, 2, 4, 8]" in repr(g)
+
+
+def test_refusals(fake_flashinfer, tiny_dir):
+    with pytest.raises(InvalidRequestError, match="CUDA"):
+        Model.load(tiny_dir(TINY_QWEN), kv_pages=16, device="cpu", cuda_graphs=8)
+    with pytest.raises(InvalidRequestError, match=">= 0"):
+        Model.load(tiny_dir(TINY_QWEN), kv_pages=16, device="cpu", cuda_graphs=-1)
+    torch_model = Model.load(tiny_dir(TINY_QWEN), kv_pages=16, device="cpu", attention="torch")
+    with pytest.raises(ValueError, match="flashinfer"):
+        DecodeGraphs(torch_model.runner, capture=False)
+    kernels_only = _on_fake(tiny_dir, TINY_QWEN)
+    kernels_only.runner.backend = FlashInferBackend("cpu", workspace_bytes=1024)  # 64/128/256 only
+    with pytest.raises(ValueError, match="head size"):
+        DecodeGraphs(kernels_only.runner, capture=False)
+    g = DecodeGraphs(_on_fake(tiny_dir, TINY_QWEN).runner, max_batch=3, capture=False)
+    assert g.buckets == [1, 2, 3]
+    g.close()
