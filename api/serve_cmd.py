@@ -61,6 +61,21 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--max-concurrency", type=int, default=None, help="requests in flight per model (then 429)"
     )
     sv.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
+    sv.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: CUDA when available)")
+    sv.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV pages (auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    sv.add_argument("--kv-pages", type=int, default=None, help="KV pool pages per model")
+    sv.add_argument(
+        "--cuda-graphs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replay decode passes of up to N contexts from CUDA graphs (flashinfer; default 0: off)",
+    )
     sv.add_argument(
         "--inferlet-cache-dir",
         type=Path,
@@ -100,6 +115,10 @@ def run_serve(args: argparse.Namespace) -> int:
         "limit_mm_per_prompt": args.limit_mm_per_prompt,
         "max_concurrency": args.max_concurrency,
         "attention": args.attention,
+        "device": args.device,
+        "dtype": args.dtype,
+        "kv_pages": args.kv_pages,
+        "cuda_graphs": args.cuda_graphs,
         "lora_modules": args.lora_modules,
         "inferlet_cache_dir": args.inferlet_cache_dir,
         "max_inferlet_runs": args.max_inferlet_runs,

@@ -73,7 +73,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         from api.model_ref import load_model
 
         def loader(ref: str) -> Any:
-            return load_model(ref, attention=settings.attention)
+            return load_model(ref, **settings.model_load_options())
 
     keys = ApiKeys.from_sources(settings.api_key_file)
     registry = ModelRegistry()

@@ -4,6 +4,7 @@ API key file all land here."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -64,6 +65,15 @@ class ServeSettings(BaseSettings):
     media_fetch_timeout_s: float = Field(default=10.0, gt=0)
     media_fetch_connect_timeout_s: float = Field(default=3.0, gt=0)
     attention: str = "auto"
+    device: str | None = None
+    """Where the models run (default: CUDA when available, else the CPU)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: bfloat16 on CUDA (the served families ship bfloat16 weights; flashinfer takes
+    it), float32 on the CPU (where bfloat16 matmuls are slow)."""
+    kv_pages: int | None = Field(default=None, ge=1)
+    """KV pool pages per model (default: ``Model.load``'s memory budget)."""
+    cuda_graphs: int = Field(default=0, ge=0)
+    """Replay decode passes of up to this many contexts from CUDA graphs (0: off)."""
     max_inferlet_bytes: int = Field(default=64 << 20, ge=1)
     """Size of one uploaded inferlet component."""
     inferlet_cache_dir: Path | None = None
@@ -96,6 +106,21 @@ class ServeSettings(BaseSettings):
         if isinstance(v, str):
             return [s.strip() for s in v.split(",") if s.strip()]
         return v
+
+    def model_load_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``api.model_ref.load_model`` (``Model.load``'s options)."""
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        named = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        on_cuda = torch.device(device).type == "cuda"
+        dtype = named.get(self.dtype) or (torch.bfloat16 if on_cuda else torch.float32)
+        out: dict[str, Any] = {"device": device, "dtype": dtype, "attention": self.attention}
+        if self.kv_pages is not None:
+            out["kv_pages"] = self.kv_pages
+        if self.cuda_graphs:
+            out["cuda_graphs"] = self.cuda_graphs
+        return out
 
     @property
     def media_dir(self) -> Path:
