@@ -9,8 +9,13 @@ reads those buffers (a replayed graph sees whatever the last plan wrote there).
 
 from __future__ import annotations
 
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -197,3 +202,16 @@ class _FakeDecode(_FakeWrapper):
             q_data_type=q_data_type,
             kv_data_type=kv_data_type,
         )
+
+
+@contextmanager
+def installed() -> Iterator[types.ModuleType]:
+    """``import flashinfer`` gives the stand-in while this is open."""
+    fake = types.ModuleType("flashinfer")
+    fake.__version__ = "fake"
+    fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
+    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
+    _FakeWrapper.calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "flashinfer", fake)
+        yield fake

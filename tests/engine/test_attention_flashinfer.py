@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from engine.kv_pool import KVPool, LayerLayout
 from engine.stopping import max_tokens
 from media import Image
 from tests.engine.conftest import ATOL, TINY_GEMMA, TINY_QWEN, assert_logits_close
-from tests.engine.fake_flashinfer import _FakeDecode, _FakePrefill, _FakeWrapper
+from tests.engine.fake_flashinfer import _FakeWrapper, installed
 from tests.engine.test_parity_media import IMG_A
 
 NAMES = [TINY_QWEN, TINY_GEMMA]
@@ -156,13 +155,7 @@ def test_engine_never_imports_flashinfer_on_cpu():
 
 @pytest.fixture(scope="module")
 def fake_flashinfer():
-    fake = types.ModuleType("flashinfer")
-    fake.__version__ = "fake"
-    fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
-    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
-    _FakeWrapper.calls = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "flashinfer", fake)
+    with installed() as fake:
         yield fake
 
 

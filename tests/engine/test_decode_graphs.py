@@ -8,8 +8,6 @@ the capture itself needs a GPU (tests/engine/test_cuda.py)."""
 from __future__ import annotations
 
 import asyncio
-import sys
-import types
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from engine.decode_graphs import DecodeGraphs
 from engine.forward import StepInput
 from media import Image
 from tests.engine.conftest import TINY_GEMMA, TINY_QWEN
-from tests.engine.fake_flashinfer import _FakeDecode, _FakePrefill, _FakeWrapper
+from tests.engine.fake_flashinfer import installed
 from tests.engine.test_parity_media import IMG_A
 
 PROMPTS = [
@@ -34,13 +32,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fake_flashinfer():
-    fake = types.ModuleType("flashinfer")
-    fake.__version__ = "fake"
-    fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
-    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
-    _FakeWrapper.calls = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "flashinfer", fake)
+    with installed() as fake:
         yield fake
 
 
