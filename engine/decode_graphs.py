@@ -171,6 +171,31 @@ class DecodeGraphs:
         self._buffers.setdefault(bucket, []).append(bufs)
         return bufs
 
+    # -- capture ahead of traffic ---------------------------------------------------------------
+    def warm(self) -> None:
+        """Capture every bucket now, largest first (smaller graphs reuse its memory pool),
+        each on a pass of padding rows only (they read and write the scratch page alone),
+        so no request waits for a capture. ``Model.load(cuda_graphs=N)`` calls this."""
+        for bucket in sorted(self.buckets, reverse=True):
+            if bucket in self._graphs:
+                continue
+            scratch_slot = self.scratch_page * self.page_size
+            table = (
+                torch.arange(bucket + 1, dtype=torch.int32),
+                _to_device(torch.full((bucket,), self.scratch_page, dtype=torch.int32), self.device),
+                torch.ones(bucket, dtype=torch.int32),
+            )
+            with torch.inference_mode():
+                self.ids[:bucket].zero_()
+                self.positions[:, :bucket].zero_()
+                self.slots[:bucket].fill_(scratch_slot)
+                attention = self._attention.setdefault(bucket, _BucketAttention(self, bucket))
+                attention.begin(table)
+                if self.capture:
+                    self._capture(bucket)
+                else:
+                    self._forward(bucket)
+
     # -- a pass -------------------------------------------------------------------------------
     def run(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
         """(V,) float32 logits per step, as ``ForwardRunner.run`` gives for "last"."""

@@ -192,6 +192,7 @@ class Model:
                 model.runner.graphs = DecodeGraphs(model.runner, max_batch=cuda_graphs)
             except ValueError as e:
                 raise InvalidRequestError(f"cuda_graphs cannot be used with this model: {e}") from None
+            model.runner.graphs.warm()  # every bucket captured before the first request
         return model
 
     # -- facts ------------------------------------------------------------------------------

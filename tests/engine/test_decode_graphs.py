@@ -129,6 +129,27 @@ def test_padding_rows_use_only_the_scratch_page(pairs):
     assert graphs.pool.refcount(g.scratch_page) == 1  # held by the graphs alone
 
 
+def test_warm_prepares_every_bucket_on_the_scratch_page(fake_flashinfer, tiny_dir):
+    """warm() (Model.load calls it on CUDA, where it captures) runs a padding-only pass per
+    bucket: wrappers exist for every bucket, no context page is touched, and decoding after
+    it still equals the plain engine."""
+    plain = _on_fake(tiny_dir, TINY_GEMMA)
+    model = _on_fake(tiny_dir, TINY_GEMMA)
+    g = model.runner.graphs = DecodeGraphs(model.runner, max_batch=6, capture=False)
+    in_use = model.pool_stats().in_use
+    k_before = [k.clone() for k, _ in (model.pool.kv(i) for i in range(len(model.pool.layers)))]
+    g.warm()
+    assert sorted(g._attention) == [1, 2, 4, 6] and all(a.wrappers for a in g._attention.values())
+    assert model.pool_stats().in_use == in_use
+    for i, before in enumerate(k_before):
+        now = model.pool.kv(i)[0]
+        same = (now == before) | (now.isnan() & before.isnan())  # the pool starts uninitialised
+        changed = (~same).flatten(1).any(1).nonzero().flatten().tolist()
+        assert set(changed) <= {g.scratch_page}, changed
+    lengths = [4, 6, 2, 5, 3]
+    assert _decode_all(model, lengths) == _decode_all(plain, lengths)
+
+
 def test_which_passes_take_the_graphs(pairs):
     _, graphs = pairs[TINY_QWEN]
     g = graphs.runner.graphs
