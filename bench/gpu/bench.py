@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import shutil
@@ -32,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +102,24 @@ def build_checkpoint(out: Path, *, smoke: bool, device: str, dtype: torch.dtype)
     model.save_pretrained(out, safe_serialization=True)
     del model
     return out
+
+
+@contextlib.contextmanager
+def checkpoint_dir(keep: Path | None, *, smoke: bool, device: str, dtype: torch.dtype) -> Iterator[Path]:
+    """The random checkpoint: built in a temporary folder, or once into ``keep`` and reused
+    from there by later runs (check.sh shares one between the benchmark and the profiles)."""
+    if keep is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield build_checkpoint(Path(tmp), smoke=smoke, device=device, dtype=dtype)
+        return
+    done = keep / f"built-{'smoke' if smoke else '2b'}-{str(dtype).removeprefix('torch.')}.ok"
+    if not done.exists():
+        if keep.exists():
+            shutil.rmtree(keep)
+        keep.mkdir(parents=True)
+        build_checkpoint(keep, smoke=smoke, device=device, dtype=dtype)
+        done.touch()
+    yield keep
 
 
 def images(n: int, size: int, seed: int) -> list:
@@ -211,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens", type=int, default=None, help="new tokens per caption (default 32; smoke 3)"
     )
     parser.add_argument("--size", type=int, default=None, help="image side (default 448; smoke 64)")
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="build the checkpoint here once and reuse it"
+    )
     args = parser.parse_args(argv)
 
     from transformers import Qwen3VLForConditionalGeneration
@@ -241,9 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": {},
         "errors": {},
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        path = build_checkpoint(Path(tmp), smoke=args.smoke, device=device, dtype=dtype)
+    t0 = time.perf_counter()
+    with checkpoint_dir(args.checkpoint_dir, smoke=args.smoke, device=device, dtype=dtype) as path:
         result["build_s"] = time.perf_counter() - t0
         proc = hf_processor(path)
         ref = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()

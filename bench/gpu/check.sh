@@ -114,6 +114,7 @@ mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 TESTS_S="${GPU_TESTS_S:-300}"
 BENCH_S="${GPU_BENCH_S:-300}"
 PROFILE_S="${GPU_PROFILE_S:-150}"
+CKPT="${GPU_CHECKPOINT_DIR:-$PWD/.cache/gpu-ckpt}"  # the random 2B checkpoint, built once
 if wants tests; then
   run_step "flashinfer JIT compile + backend tests (compile time included)" timeout "$TESTS_S" bash -o pipefail -c \
     "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_attention_flashinfer.py -x 2>&1 | tail -15"
@@ -121,13 +122,13 @@ if wants tests; then
     "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
 fi
 if wants bench; then
-  run_step "GPU benchmark" timeout "$BENCH_S" "$PY" bench/gpu/bench.py --out "$OUT_DIR/gpu_bench.json"
+  run_step "GPU benchmark" timeout "$BENCH_S" "$PY" bench/gpu/bench.py --checkpoint-dir "$CKPT" --out "$OUT_DIR/gpu_bench.json"
 fi
 if wants profile; then
   # Where a decode pass's time goes at concurrency 32 (host-bound or GPU-bound: whether
   # CUDA graphs would pay), with flashinfer attention.
-  run_step "decode profile c=32 (flashinfer)" timeout "$PROFILE_S" "$PY" bench/gpu/profile_decode.py --out "$OUT_DIR"
+  run_step "decode profile c=32 (flashinfer)" timeout "$PROFILE_S" "$PY" bench/gpu/profile_decode.py --checkpoint-dir "$CKPT" --out "$OUT_DIR"
   run_step "decode profile c=32 (flashinfer, CUDA graphs)" timeout "$PROFILE_S" \
-    "$PY" bench/gpu/profile_decode.py --cuda-graphs 64 --out "$OUT_DIR"
+    "$PY" bench/gpu/profile_decode.py --cuda-graphs 64 --checkpoint-dir "$CKPT" --out "$OUT_DIR"
 fi
 finish done

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -201,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cuda-graphs", type=int, default=0, help="replay decode passes from CUDA graphs (max batch; 0 off)"
     )
+    ap.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="build the checkpoint here once and reuse it"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
 
-    from bench.gpu.bench import build_checkpoint
+    from bench.gpu.bench import checkpoint_dir
     from engine import Model
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -214,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = args.concurrency or (32 if cuda else 4)
     steps = args.steps or (16 if cuda else 3)
     args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_checkpoint(Path(tmp), smoke=not cuda, device=device, dtype=dtype)
+    with checkpoint_dir(args.checkpoint_dir, smoke=not cuda, device=device, dtype=dtype) as path:
         graphs = args.cuda_graphs if cuda else 0
         model = Model.load(
             path,
