@@ -150,13 +150,21 @@ class DecodeGraphs:
 
     # -- which passes -------------------------------------------------------------------------
     def takes(self, steps: Sequence[StepInput]) -> bool:
-        return 0 < len(steps) <= self.max_batch and all(
-            len(s.tokens) == 1
-            and s.logits == "last"
-            and not s.media
-            and s.block_ids is None
-            and not s.adapters
-            for s in steps
+        """Whether this pass replays a graph. Pages shared by several contexts (a common
+        prefix) are listed once per context, so the pass's page list can outgrow the
+        fixed index buffers (one pool's worth): such a pass runs as usual."""
+        ps = self.page_size
+        return (
+            0 < len(steps) <= self.max_batch
+            and all(
+                len(s.tokens) == 1
+                and s.logits == "last"
+                and not s.media
+                and s.block_ids is None
+                and not s.adapters
+                for s in steps
+            )
+            and sum(-(-(s.kv_start + 1) // ps) for s in steps) + self.max_batch <= self.pool.num_pages
         )
 
     def page_table_buffers(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

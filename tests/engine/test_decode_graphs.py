@@ -164,6 +164,10 @@ def test_which_passes_take_the_graphs(pairs):
         [StepInput(tokens=[5], positions=pos, kv_start=3, pages=[0], adapters=((object(), 1.0),))]
     )
     assert "DecodeGraphs(buckets=[1, 2, 4, 8]" in repr(g)
+    # A pass whose page lists (shared prefixes counted per context) outgrow the fixed
+    # index buffers runs as usual.
+    long = graphs.pool.num_pages * graphs.pool.page_size // 4
+    assert not g.takes([StepInput(tokens=[5], positions=pos, kv_start=long, pages=list(range(300)))] * 5)
 
 
 def test_refusals(fake_flashinfer, tiny_dir):
