@@ -127,6 +127,9 @@ class Context:
         self._n = 0  # committed rows
         self._cursor = 0  # position of the next appended row
         self._last_logits: torch.Tensor | None = None
+        self._argmax_hint: tuple[torch.Tensor, int] | None = None
+        """(logits, their argmax) from the runner (``StepInput.argmax``); used only while
+        those very logits are ``_last_logits``."""
         # After flush(): the last committed row's final hidden state, its logits not yet
         # computed (the LM head runs only if something samples or asks for them).
         self._last_hidden: torch.Tensor | None = None
@@ -369,7 +372,11 @@ class Context:
             self._check_open()
             assert self._last_logits is not None
             scores = self._last_logits if matcher is None else matcher.mask(self._last_logits)
-            token = int(sampling.sample(scores[None], sampler, self._rng())[0])
+            hint = self._argmax_hint
+            if matcher is None and sampler.is_greedy and hint is not None and hint[0] is self._last_logits:
+                token = hint[1]  # the runner read it with the whole pass's argmaxes
+            else:
+                token = int(sampling.sample(scores[None], sampler, self._rng())[0])
             if matcher is not None:
                 matcher.accept(token)
             lp, top = (
@@ -421,6 +428,7 @@ class Context:
         child._n = self._n
         child._cursor = self._cursor
         child._last_logits = self._last_logits
+        child._argmax_hint = self._argmax_hint
         child._last_hidden = self._last_hidden
         child._chat = self._chat.copy()
         child.sampler, child.stop = self.sampler, self.stop
@@ -689,6 +697,8 @@ class Context:
                 else:
                     self._last_logits = result[-1] if want == "all" else result
                     self._last_hidden = None
+                    if step.argmax is not None and want == "last":
+                        self._argmax_hint = (result, step.argmax)
         if want == "all":
             return torch.cat(collected) if collected else torch.empty(0, self.model.arch.vocab_size)
         if want == "states":

@@ -248,6 +248,9 @@ class DecodeGraphs:
             else:
                 self._forward(bucket)
             out = self.logits[:n].clone()
+            if self.runner.batch_argmax:
+                for step, best in zip(steps, out.argmax(dim=-1).tolist(), strict=True):
+                    step.argmax = best
         self.replays += 1
         self.runner.passes += 1
         self.runner.rows_computed += n

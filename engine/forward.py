@@ -61,6 +61,10 @@ class StepInput:
     logits: LogitsWanted = "last"
     adapters: tuple = ()
     """(Adapter, scale) pairs this step's rows run under (``engine.lora``)."""
+    argmax: int | None = None
+    """Set by the runner for a "last" step when ``ForwardRunner.batch_argmax`` is on: the
+    argmax of its logits, read for the whole pass in one device-to-host copy (a greedy
+    context then needs no read of its own)."""
 
 
 class ForwardRunner:
@@ -81,6 +85,9 @@ class ForwardRunner:
         self.block_overlay_layers = arch.block_overlay_layers()
         self.passes = 0
         self.rows_computed = 0
+        self.batch_argmax = device.type == "cuda"
+        """Compute every "last" step's argmax in one go per pass (``StepInput.argmax``): on
+        CUDA it saves each greedy context a kernel launch and a synchronising read."""
         self.graphs: DecodeGraphs | None = None
         """One-token decode passes replayed from CUDA graphs (``engine.decode_graphs``), or None."""
 
@@ -213,6 +220,10 @@ class ForwardRunner:
         self.passes += 1
         self.rows_computed += start
 
+        if self.batch_argmax and logits is not None and any(s.logits == "last" for s in steps):
+            best = logits.argmax(dim=-1).tolist()
+        else:
+            best = None
         out: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None] = []
         at = 0
         for step, h in zip(steps, last_hidden, strict=True):
@@ -222,6 +233,8 @@ class ForwardRunner:
                 out.append(h)
             elif step.logits in ("last", "last+hidden"):
                 assert logits is not None
+                if best is not None and step.logits == "last":
+                    step.argmax = best[at]
                 out.append(logits[at] if step.logits == "last" else (logits[at], h))
                 at += 1
             else:
