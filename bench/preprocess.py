@@ -102,6 +102,44 @@ def bench_gemma_image(samples: Path, repeats: int) -> None:
     bench_images("Gemma-4", encoder_for(model_dir, load_weights=False), ref, samples, repeats)
 
 
+def bench_request_of_four(samples: Path, repeats: int) -> None:
+    """Four photos in one request: ours prepares a request's media concurrently (one worker
+    thread each, as ``engine.Completion`` does; Pillow and torch release the GIL); the
+    reference processor takes the list and works through it in turn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoImageProcessor
+
+    model_dir = ensure_tiny_model("tiny-qwen3-vl")
+    enc = encoder_for(model_dir, load_weights=False)
+    ref_proc = AutoImageProcessor.from_pretrained(model_dir)
+    names = ["photo_1024x768.png", "photo_640x480.jpg", "cmyk.jpg", "lossy.webp"]
+    blobs = [(samples / "images" / n).read_bytes() for n in names]
+    pool = ThreadPoolExecutor(len(blobs))
+
+    def ours():
+        _fresh(enc)
+        return [
+            f.result() for f in [pool.submit(lambda b=b: enc.prepare(Image.from_bytes(b))) for b in blobs]
+        ]
+
+    def ref():
+        pils = [PILImage.open(io.BytesIO(b)).convert("RGB") for b in blobs]
+        return ref_proc(images=pils, return_tensors="pt")["pixel_values"]
+
+    res = interleaved({"ours": ours, "ref": ref}, repeats)
+    mine = torch.cat([p.inputs["pixel_values"] for p in res["ours"][1]])
+    theirs = res["ref"][1]
+    same = mine.shape == theirs.shape and bool((mine - theirs).abs().max() == 0)
+    row(
+        "Qwen3-VL request of 4 images (concurrent)",
+        res["ours"][0],
+        res["ref"][0],
+        "equal" if same else "DIFFERENT",
+    )
+    pool.shutdown()
+
+
 def bench_gemma_audio(samples: Path, repeats: int) -> None:
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
@@ -243,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'case':<44}{'ours ms':>10}{'ref ms':>10}{'ratio':>9}  parity")
     bench_qwen_images(samples, args.repeats)
     bench_gemma_image(samples, args.repeats)
+    bench_request_of_four(samples, args.repeats)
     image_stages(samples, args.repeats)
     bench_gemma_audio(samples, args.repeats)
     if not args.skip_video:
