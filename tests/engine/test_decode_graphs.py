@@ -114,7 +114,6 @@ def test_graph_decode_equals_plain_decode(pairs, name):
     # through the static buffers, in shrinking buckets.
     assert g.replays - before >= max(lengths) - 1
     assert {8, 4, 2, 1} <= set(g._attention)
-    assert g.scratch_page not in {p for c in graphs.live_contexts for p in getattr(c, "pages", [])}
 
 
 def test_padding_rows_use_only_the_scratch_page(pairs):
