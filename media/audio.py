@@ -12,10 +12,8 @@ import os
 from typing import Any
 
 import numpy as np
-import soundfile as sf
-import soxr
 
-from media.audio_decode import check_stream, decode_audio
+from media.audio_checks import check_stream
 from media.errors import (
     CorruptMediaError,
     EmptyMediaError,
@@ -23,6 +21,7 @@ from media.errors import (
     MediaTooLargeError,
     MediaTooLongError,
     PieMediaError,
+    UnsupportedFormatError,
 )
 from media.hashing import content_hash
 from media.limits import DEFAULT_LIMITS, MediaLimits
@@ -103,6 +102,12 @@ class Audio:
             limits.check_bytes(len(raw), KIND)
             if not raw:
                 raise EmptyMediaError("audio input is empty (0 bytes)", actual=0, kind=KIND)
+            try:
+                from media.audio_decode import decode_audio  # PyAV and libsndfile load on first use
+            except ModuleNotFoundError as missing:
+                raise UnsupportedFormatError(
+                    f"audio decoding needs PyAV and soundfile ({missing})", kind=KIND
+                ) from None
             decoded = decode_audio(raw, limits, container=container)
         except PieMediaError:
             raise
@@ -268,6 +273,8 @@ class Audio:
         return self._memo(("resample", rate), lambda: self._resample(rate))
 
     def _resample(self, rate: int) -> Audio:
+        import soxr
+
         out = soxr.resample(self._samples, self._rate, rate, quality=RESAMPLE_QUALITY)
         # librosa's fix_length: exactly ceil(n * ratio) frames, zero-padded or trimmed.
         n = int(np.ceil(self.frames * (float(rate) / self._rate)))
@@ -288,6 +295,8 @@ class Audio:
         if subtype not in ("PCM_16", "PCM_24", "PCM_32", "FLOAT"):
             raise InvalidRequestError(f"unsupported WAV subtype {subtype!r}", kind=KIND)
         data = self._samples if subtype == "FLOAT" else np.clip(self._samples, -1.0, 1.0)
+        import soundfile as sf
+
         buf = io.BytesIO()
         sf.write(buf, data, self._rate, format="WAV", subtype=subtype)
         return buf.getvalue()

@@ -55,6 +55,7 @@ import av
 import numpy as np
 import soundfile as sf
 
+from media.audio_checks import check_stream
 from media.decode_errors import DECODE_ERRORS, describe
 from media.errors import (
     CorruptMediaError,
@@ -101,28 +102,6 @@ goes to PyAV."""
 
 
 # --------------------------------------------------------------------------- limits
-
-
-def check_stream(rate: int, channels: int, limits: MediaLimits, label: str) -> None:
-    """Refuse a declared sample rate or channel count that is impossible or over ``limits``."""
-    if rate <= 0:
-        raise CorruptMediaError(f"{label} audio declares sample rate {rate}", actual=rate, kind=KIND)
-    if channels <= 0:
-        raise CorruptMediaError(f"{label} audio declares {channels} channels", actual=channels, kind=KIND)
-    if rate > limits.max_sample_rate:
-        raise MediaTooLargeError(
-            f"{label} audio sample rate {rate} Hz is over the limit of {limits.max_sample_rate} Hz",
-            limit=limits.max_sample_rate,
-            actual=rate,
-            kind=KIND,
-        )
-    if channels > limits.max_audio_channels:
-        raise MediaTooLargeError(
-            f"{label} audio has {channels} channels, over the limit of {limits.max_audio_channels}",
-            limit=limits.max_audio_channels,
-            actual=channels,
-            kind=KIND,
-        )
 
 
 def _check_declared_seconds(seconds: float, limits: MediaLimits, label: str) -> None:

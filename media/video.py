@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from media.decode_errors import as_media_error
 from media.errors import (
     CorruptMediaError,
     EmptyMediaError,
     InvalidRequestError,
     MediaError,
     MediaTooLargeError,
+    PieMediaError,
+    UnsupportedFormatError,
 )
-from media.frame_sources import FrameCollector, FrameSource, open_source
 from media.hashing import content_hash
 from media.limits import DEFAULT_LIMITS, MediaLimits
 from media.timeline import STRATEGIES, DecodePlan, Strategy, plan_decode
@@ -42,8 +42,23 @@ from media.video_info import VideoInfo
 
 if TYPE_CHECKING:
     from media.audio import Audio
+    from media.frame_sources import FrameSource
+
+# PyAV (FFmpeg) is imported by media.frame_sources and media.decode_errors on first use:
+# images and text never need it, and a machine without it still imports the project.
 
 __all__ = ["SampledFrames", "SkippedFrame", "Video"]
+
+
+def _as_media_error(exc: BaseException, context: str) -> PieMediaError:
+    """``media.decode_errors.as_media_error`` (it imports PyAV); without PyAV installed,
+    the typed error that says so."""
+    try:
+        from media.decode_errors import as_media_error
+    except ModuleNotFoundError as missing:
+        return UnsupportedFormatError(f"{context}: video decoding needs PyAV ({missing})", kind=KIND)
+    return as_media_error(exc, context, KIND)
+
 
 KIND = "video"
 
@@ -149,11 +164,13 @@ class Video:
             limits.check_bytes(size, KIND)
             if not isinstance(data, bytes):
                 data = bytes(data)  # own copy: the caller's buffer could change under the decoder
+            from media.frame_sources import open_source
+
             return cls(open_source(data, limits), content_hash(data), len(data), limits)
         except BaseException as e:
             if isinstance(e, _INTERRUPTS):
                 raise
-            raise as_media_error(e, "video could not be opened", KIND) from None
+            raise _as_media_error(e, "video could not be opened") from None
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], limits: MediaLimits | None = None) -> Video:
@@ -254,7 +271,7 @@ class Video:
         except BaseException as e:
             if isinstance(e, _INTERRUPTS):
                 raise
-            raise as_media_error(e, "video frames could not be decoded", KIND) from None
+            raise _as_media_error(e, "video frames could not be decoded") from None
 
     def sample_indices(self, indices: Sequence[int], *, strategy: Strategy = "auto") -> SampledFrames:
         """Decode exactly these frames (indices into the frames ``0..frame_count-1``).
@@ -278,7 +295,7 @@ class Video:
         except BaseException as e:
             if isinstance(e, _INTERRUPTS):
                 raise
-            raise as_media_error(e, "video frames could not be decoded", KIND) from None
+            raise _as_media_error(e, "video frames could not be decoded") from None
 
     def decode_plan(self, indices: Sequence[int], strategy: Strategy = "auto") -> DecodePlan:
         """The cost estimates and seek decisions for decoding ``indices`` (no decoding)."""
@@ -300,6 +317,8 @@ class Video:
                 actual=need,
                 kind=KIND,
             )
+        from media.frame_sources import FrameCollector
+
         targets = sorted(set(indices))
         out = FrameCollector(targets, info.height, info.width)
         plan = self._src.decode(targets, strategy, out)

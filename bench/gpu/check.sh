@@ -80,10 +80,18 @@ if [ "$DRY" = 0 ]; then
   export PYTHONPATH="$SITE:$PWD"
 else
   export PYTHONPATH="$PWD"
+  # Rehearse the GPU machine's Python: what its image lacks (av, soundfile, llguidance,
+  # pydantic, ...) cannot be imported in the dry run either (bench/gpu/gpu_image.py).
+  export PIE_GPU_IMAGE=1
 fi
+GPU_IMAGE_PLUGIN=()
+[ "$DRY" = 1 ] && GPU_IMAGE_PLUGIN=(-p bench.gpu.gpu_image)
 
 imports() {
   "$PY" - <<'PY'
+import os
+if os.environ.get("PIE_GPU_IMAGE") == "1":
+    import bench.gpu.gpu_image  # noqa: F401 - blocks what the GPU image lacks
 import torch, transformers
 import engine, media, encoders  # noqa: F401
 try:
@@ -97,11 +105,15 @@ if torch.cuda.is_available():
 PY
 }
 run_step "project imports (versions as found)" imports || { finish broken; exit 2; }
-run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py | tail -3"
+run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py | tail -3"
 
 if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  run_step "GPU bench smoke (CPU, tiny shapes)" "$PY" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
-  run_step "decode profile smoke (CPU, tiny shapes)" "$PY" bench/gpu/profile_decode.py --smoke --out "$OUT_DIR"
+  RUN_AS_THERE=("$PY")
+  [ "$DRY" = 1 ] && RUN_AS_THERE=("$PY" -m bench.gpu.gpu_image)
+  run_step "CPU parts of the CUDA test files, as the GPU image imports them" bash -o pipefail -c \
+    "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py 2>&1 | tail -3"
+  run_step "GPU bench smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
+  run_step "decode profile smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/profile_decode.py --smoke --out "$OUT_DIR"
   echo "STOP: a CUDA GPU is needed from here on (CUDA tests, JIT compile, GPU benchmark)"
   finish dry-run
   exit 0

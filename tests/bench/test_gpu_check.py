@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -60,3 +61,25 @@ def test_only_takes_known_parts(tmp_path):
         timeout=60,
     )
     assert done.returncode == 2 and "unknown part 'benchmark'" in done.stderr
+
+
+def test_gpu_image_rehearsal_hides_what_the_machine_lacks(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import importlib.util, importlib.metadata, sys\n"
+        "assert importlib.util.find_spec('soundfile') is None\n"
+        "assert importlib.util.find_spec('av') is None\n"
+        "try:\n    import llguidance\nexcept ModuleNotFoundError:\n    pass\nelse:\n    sys.exit('llguidance imported')\n"
+        "import engine, media, encoders, transformers  # the project and what the image has\n"
+        "assert importlib.metadata.version('torch')\n"
+        "print('hidden', sys.argv[1])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.gpu_image", str(script), "ok"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("hidden ok")
