@@ -60,7 +60,7 @@ PY
   rm -f "$STEPS"
 }
 
-run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/profile_decode.py bench/gpu/trim_wheel.py tests/engine/test_cuda.py" || { finish broken; exit 2; }
+run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/profile_decode.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py" || { finish broken; exit 2; }
 
 check_wheels() {
   if ! ls "$WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
