@@ -10,9 +10,18 @@ generated tokens/s (width x steps / wall) of each side and the ratio, interleave
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as a script (python bench/beam.py), this folder comes first on sys.path and its
+# engine.py / inferlets.py / speech.py would shadow those packages: the repository root
+# goes first instead. (python -m bench.beam works either way.)
+sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
+]
+
 import argparse
 import tempfile
-from pathlib import Path
 
 import torch
 

@@ -27,6 +27,16 @@ forks, image-cache, serving (comma-separated for several).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as a script (python bench/engine.py), this folder comes first on sys.path and its
+# engine.py / inferlets.py / speech.py would shadow those packages: the repository root
+# goes first instead. (python -m bench.engine works either way.)
+sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
+]
+
 import argparse
 import asyncio
 import os
@@ -35,7 +45,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -16,11 +16,20 @@ On the tiny Qwen3-VL, one process, side by side:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as a script (python bench/inferlets.py), this folder comes first on sys.path and its
+# engine.py / inferlets.py / speech.py would shadow those packages: the repository root
+# goes first instead. (python -m bench.inferlets works either way.)
+sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
+]
+
 import argparse
 import asyncio
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
