@@ -84,6 +84,31 @@ def flashinfer_available() -> tuple[bool, str]:
     return True, f"flashinfer {getattr(flashinfer, '__version__', '(unknown version)')}"
 
 
+def query_rows(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    *,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """The (rows, heads, head_dim) queries flashinfer takes, from the attention hook's
+    (1, heads, rows, head_dim), and the layer kind they are planned by: layers of one kind
+    share a plan within a pass."""
+    q = query[0].transpose(0, 1)
+    kind = (
+        query.shape[1],
+        k_cache.shape[2],
+        k_cache.shape[3],
+        sliding_window,
+        softcap,
+        scaling,
+        q.dtype,
+        k_cache.dtype,
+    )
+    return q, kind
+
+
 @dataclass
 class _Part:
     """Sequences of one pass attended by one flashinfer call, with their page tables."""
@@ -202,8 +227,7 @@ class FlashInferBackend:
             )
         heads = query.shape[1]
         blocks = layer in meta.block_overlay_layers
-        q = query[0].transpose(0, 1)  # (N, heads, head_dim)
-        layer_kind = (heads, kv_heads, head_dim, sliding_window, softcap, scaling, q.dtype, kc.dtype)
+        q, layer_kind = query_rows(query, kc, scaling=scaling, sliding_window=sliding_window, softcap=softcap)
         parts = split_pass(meta, page_size, blocks)
         out: torch.Tensor | None = None
         for part in parts:

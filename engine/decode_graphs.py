@@ -36,9 +36,10 @@ import torch
 
 from engine.architectures import TextInputs
 from engine.attention import TORCH_BACKEND, BatchMeta
+from engine.attention_flashinfer import FlashInferBackend, query_rows
+from engine.forward import upload_indices
 
 if TYPE_CHECKING:
-    from engine.attention_flashinfer import FlashInferBackend
     from engine.forward import ForwardRunner, StepInput
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,7 @@ class _BucketAttention:
         softcap: float | None,
     ) -> torch.Tensor:
         kc, vc = meta.pool.kv(layer)
-        kv_heads, head_dim = kc.shape[2], kc.shape[3]
-        q = query[0].transpose(0, 1)  # (rows, heads, head_dim)
-        kind = (query.shape[1], kv_heads, head_dim, sliding_window, softcap, scaling, q.dtype, kc.dtype)
+        q, kind = query_rows(query, kc, scaling=scaling, sliding_window=sliding_window, softcap=softcap)
         wrapper = self.wrappers.get(kind)
         if wrapper is None or kind not in self.planned:
             if self.owner.capturing:
@@ -104,8 +103,6 @@ class DecodeGraphs:
     """Replays one-token decode passes from CUDA graphs (see the module doc)."""
 
     def __init__(self, runner: ForwardRunner, *, max_batch: int = 64, capture: bool | None = None):
-        from engine.attention_flashinfer import FlashInferBackend
-
         backend = runner.backend
         if not isinstance(backend, FlashInferBackend):
             raise ValueError("CUDA-graph decode needs the flashinfer attention backend")
@@ -188,9 +185,12 @@ class DecodeGraphs:
             if bucket in self._graphs:
                 continue
             scratch_slot = self.scratch_page * self.page_size
+            (scratch,) = upload_indices(
+                [torch.full((bucket,), self.scratch_page, dtype=torch.long)], self.device
+            )
             table = (
                 torch.arange(bucket + 1, dtype=torch.int32),
-                _to_device(torch.full((bucket,), self.scratch_page, dtype=torch.int32), self.device),
+                scratch.to(torch.int32),
                 torch.ones(bucket, dtype=torch.int32),
             )
             with torch.inference_mode():
@@ -230,16 +230,20 @@ class DecodeGraphs:
         tables.extend([[self.scratch_page]] * (bucket - n))
         indptr = torch.zeros(bucket + 1, dtype=torch.int32)
         indptr[1:] = counts.cumsum(0)
-        indices = torch.tensor([p for t in tables for p in t], dtype=torch.int32)
+        indices = torch.tensor([p for t in tables for p in t], dtype=torch.long)
 
         with torch.inference_mode():
-            _stage(self.ids[:bucket], ids)
-            _stage(self.positions[:, :bucket], positions)
-            _stage(self.slots[:bucket], slots)
+            # One host-to-device copy for the pass; the rest are copies on the device.
+            ids_d, pos_d, slots_d, indices_d = upload_indices(
+                [ids, positions.reshape(-1), slots, indices], self.device
+            )
+            self.ids[:bucket].copy_(ids_d)
+            self.positions[:, :bucket].copy_(pos_d.view(positions.shape))
+            self.slots[:bucket].copy_(slots_d)
             attention = self._attention.get(bucket)
             if attention is None:
                 attention = self._attention[bucket] = _BucketAttention(self, bucket)
-            attention.begin((indptr, _to_device(indices, self.device), last))
+            attention.begin((indptr, indices_d.to(torch.int32), last))
             if self.capture:
                 graph = self._graphs.get(bucket)
                 if graph is None:
@@ -309,17 +313,3 @@ class DecodeGraphs:
         if self.scratch_page is not None:
             self.pool.decref([self.scratch_page])
             self.scratch_page = None  # type: ignore[assignment]
-
-
-def _stage(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy a CPU tensor into a device buffer; on CUDA from pinned memory, no host sync."""
-    if dst.device.type == "cuda":
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
-
-
-def _to_device(src: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return src.pin_memory().to(device, non_blocking=True)
-    return src.to(device)

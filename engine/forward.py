@@ -139,7 +139,7 @@ class ForwardRunner:
         # pinned memory, without a stream sync; one `.to(device)` per tensor would be a
         # synchronising copy each, dozens per decode pass at high concurrency).
         positions_cpu = torch.cat(positions, dim=1).to(torch.long)
-        (ids_d, positions_flat, slots_d, media_rows_d, pages_d, blocks_d) = _upload(
+        (ids_d, positions_flat, slots_d, media_rows_d, pages_d, blocks_d) = upload_indices(
             [
                 torch.tensor(ids, dtype=torch.long),
                 positions_cpu.reshape(-1),
@@ -273,10 +273,10 @@ class ForwardRunner:
         return embeds, deepstack
 
 
-def _upload(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def upload_indices(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """1-D long CPU tensors -> views of one tensor on ``device``, copied in one transfer
     (pinned and non-blocking on CUDA: the stream orders it before the kernels that read
-    it, and the host does not wait)."""
+    it, and the host does not wait). On the CPU, ``parts`` themselves."""
     if device.type == "cpu":
         return parts
     flat = torch.cat(parts)
