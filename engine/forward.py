@@ -220,11 +220,8 @@ class ForwardRunner:
         self.passes += 1
         self.rows_computed += start
 
-        if self.batch_argmax and logits is not None and any(s.logits == "last" for s in steps):
-            best = logits.argmax(dim=-1).tolist()
-        else:
-            best = None
         out: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None] = []
+        last_rows: list[tuple[StepInput, int]] = []  # "last" steps and their row in ``logits``
         at = 0
         for step, h in zip(steps, last_hidden, strict=True):
             if step.logits == "none":
@@ -233,8 +230,8 @@ class ForwardRunner:
                 out.append(h)
             elif step.logits in ("last", "last+hidden"):
                 assert logits is not None
-                if best is not None and step.logits == "last":
-                    step.argmax = best[at]
+                if step.logits == "last":
+                    last_rows.append((step, at))
                 out.append(logits[at] if step.logits == "last" else (logits[at], h))
                 at += 1
             else:
@@ -242,6 +239,13 @@ class ForwardRunner:
                 n = len(step.tokens)
                 out.append(logits[at : at + n])
                 at += n
+        if self.batch_argmax and last_rows:
+            assert logits is not None
+            picked = logits  # a decode pass: every row is a "last" step's
+            if len(last_rows) != logits.shape[0]:
+                picked = logits[torch.tensor([r for _, r in last_rows], device=logits.device)]
+            for (step, _), best in zip(last_rows, picked.argmax(dim=-1).tolist(), strict=True):
+                step.argmax = best
         return out
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:

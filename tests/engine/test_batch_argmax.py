@@ -88,3 +88,43 @@ def test_with_graph_decode(tiny_dir):
         expected = greedy_all(models[0])
         assert greedy_all(models[1]) == expected
         assert models[1].runner.graphs.replays >= 5
+
+
+def test_hints_in_passes_that_mix_prefill_and_decode(pair, monkeypatch):
+    """A context prefilling while others decode: the pass holds "last+hidden" and "last"
+    steps; each hint is its own row's argmax."""
+    import asyncio
+
+    from engine import Context, max_tokens
+
+    _, batched = pair
+    real = batched.runner.run
+    mixed = []
+
+    def checking(steps):
+        out = real(steps)
+        kinds = {s.logits for s in steps}
+        if "last" in kinds and len(kinds) > 1:
+            mixed.append(kinds)
+        for s, o in zip(steps, out, strict=True):
+            if s.argmax is not None:
+                assert s.logits == "last" and s.argmax == int(o.argmax())
+        return out
+
+    monkeypatch.setattr(batched.runner, "run", checking)
+
+    async def go():
+        a = Context(batched).user("Tell me a long story about boats.").cue()
+        start = batched.runner.passes
+        task = asyncio.create_task(a.generate(Sampler.greedy(), max_tokens(40)))
+        for _ in range(2000):  # bounded: until a has prefilled and decoded once
+            if batched.runner.passes - start >= 2:
+                break
+            await asyncio.sleep(0.001)
+        b = Context(batched).user("Now something else entirely, a poem about paging.").cue()
+        await asyncio.gather(task, b.generate(Sampler.greedy(), max_tokens(3)))
+        a.close()
+        b.close()
+
+    asyncio.run(go())
+    assert mixed, "no pass mixed a prefill with decode steps"
