@@ -24,6 +24,7 @@ whole call, which a split would round twice.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,8 @@ _SPLIT_FILTERS = frozenset(
         PILImage.Resampling.LANCZOS,
     }
 )
+
+log = logging.getLogger(__name__)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -160,6 +163,11 @@ def split_is_exact() -> bool:
             for w, h in cases
             for r in (PILImage.Resampling.BICUBIC, PILImage.Resampling.LANCZOS)
         )
+        if not _verified:
+            log.warning(
+                "Pillow %s resizes differently in bands than in one call: resizes run unsplit",
+                PILImage.__version__,
+            )
     return _verified
 
 
