@@ -180,9 +180,10 @@ def _bench_gemma_audio_one(samples: Path, repeats: int, enc, ref_fe, exact: bool
 
 def image_stages(samples: Path, repeats: int) -> None:
     """Where the time of an image goes, stage by stage, ours beside the reference's:
-    decode (bytes -> RGB pixels), resize (the same Pillow call on both sides: it must be,
-    for identical pixels), and rescale+normalise+patchify (the reference: its processor
-    minus its resize)."""
+    decode (bytes -> RGB pixels, the same Pillow decoder on both sides), resize (Pillow's
+    arithmetic on both sides, bit for bit: ours in media/fast_resample.py's vectorised,
+    threaded kernels), and rescale+normalise+patchify (the reference: its processor minus
+    its resize)."""
     from transformers import AutoImageProcessor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
@@ -207,17 +208,17 @@ def image_stages(samples: Path, repeats: int) -> None:
             s = enc.image_settings
             if label == "Qwen3-VL":
                 size = enc.image_size_for(img.width, img.height)
-                resized = img.resized(size, PILImage.Resampling(s.resample))
+                resized = img.resized_array(size, PILImage.Resampling(s.resample))
                 pix = median_ms(lambda r=resized, e=enc: e._image_pixels(r), repeats)
             else:
                 size = enc.image_size_for(img.width, img.height)
-                arr = np.asarray(img.resized(size, s.resample))
+                arr = img.resized_array(size, s.resample)
                 budget = s.max_patches(s.max_soft_tokens)
                 pix = median_ms(
                     lambda a=arr, e=enc, b=budget, ps=s.patch_size: patchify(a[None], ps, e._image_table, b),
                     repeats,
                 )
-            res_ours = median_ms(lambda sz=size, r=s.resample, im=img: im.resized(sz, r), repeats)
+            res_ours = median_ms(lambda sz=size, r=s.resample, im=img: im.resized_array(sz, r), repeats)
             res_ref = median_ms(lambda sz=size, r=s.resample, p=pil: p.resize(sz, resample=r), repeats)
             whole_ref = median_ms(lambda p=ref_proc, im=pil: p(images=[im], return_tensors="pt"), repeats)
             print(
@@ -225,8 +226,8 @@ def image_stages(samples: Path, repeats: int) -> None:
                 f"{res_ours:8.1f} /{res_ref:6.1f}{pix:10.1f} /{whole_ref - res_ref:6.1f}"
             )
     print(
-        "  (decode is the same Pillow work on both sides, and so is the resize arithmetic:"
-        " ours splits it over the cores, media/resize.py; together they bound the ratio)"
+        "  (decode is the same Pillow work on both sides and bounds the PNG rows; the resize is"
+        " Pillow's arithmetic on both sides, ours vectorised and threaded: media/fast_resample.py)"
     )
 
 

@@ -66,7 +66,9 @@ from media.errors import (
 from media.hashing import content_hash, content_hash_parts
 from media.integrity import PNG_SIGNATURE, verify_png
 from media.limits import DEFAULT_LIMITS, MediaLimits
-from media.resize import resize
+from media.pil_pixels import pixel_view, single_block_images
+from media.png_fast import decode_png
+from media.resize import resize, resize_array
 
 __all__ = ["EXCLUDED_FORMATS", "Image"]
 
@@ -220,6 +222,15 @@ class Image:
             verify_png(raw, kind=KIND)
         try:
             src = _open_lazily(raw)
+            fast = _fast_png(raw, src, limits, target)
+            if fast is not None:
+                return cls(
+                    array=fast,
+                    format=src.format,
+                    source_mode=src.mode,
+                    source_size=(fast.shape[1], fast.shape[0]),
+                    content_hash=content_hash(raw),
+                )
             rgb, fmt, source_mode, source_size, salt = _decode(src, limits, bg, target)
         except PieMediaError:
             raise
@@ -454,6 +465,25 @@ class Image:
             self._pil = PILImage.fromarray(self.to_numpy())
         return resize(self._pil, size, resample)
 
+    def resized_array(self, size: tuple[int, int], resample: int) -> np.ndarray:
+        """``np.asarray(to_pil().resize(size, resample))``, bit for bit, as a new
+        ``(height, width, 3)`` uint8 array, without copying the source pixels first:
+        :func:`media.resize.resize_array` (vectorised kernels on several threads where
+        numba runs here, Pillow otherwise)."""
+        source = self._pil if self._pil is not None else self.to_numpy()
+        return resize_array(source, size, resample)
+
+    def rgb_view(self) -> np.ndarray:
+        """A read-only ``(height, width, 3)`` uint8 view of the pixels, without the copy
+        :meth:`to_numpy` makes of a decoded image (it reads Pillow's memory in place,
+        :func:`media.pil_pixels.pixel_view`, so it may be strided: use :meth:`to_numpy`
+        where C order matters)."""
+        if self._array is None and self._pil is not None:
+            view = pixel_view(self._pil)
+            if view is not None:
+                return view[:, :, :3]
+        return self.to_numpy()
+
     def __repr__(self) -> str:
         return (
             f"Image({self.width}x{self.height}, format={self._format!r}, "
@@ -537,6 +567,7 @@ def _decode(
     reduce_to: tuple[int, int] | None,
 ) -> tuple[PILImage.Image, str | None, str, tuple[int, int], tuple[object, ...]]:
     """Header checks, (draft), load, RGB normalisation, orientation, reduction."""
+    single_block_images()  # decoded pixels readable in place (media.pil_pixels)
     fmt = src.format
     what = f"{fmt} image" if fmt else "image"
     w, h = src.size
@@ -547,9 +578,15 @@ def _decode(
             x0, y0, x1, y1 = (int(v) for v in extents)
             _check_size(max(x1 - x0, 0), max(y1 - y0, 0), limits, f"{what} tile")
 
+    drafting = reduce_to is not None and fmt in _JPEG_FORMATS and hasattr(src, "draft")
+    if not drafting:
+        # Load first: reading EXIF from some formats (PNG) loads the pixels, and
+        # _orientation swallows EXIF errors -- a decode error must not be swallowed with
+        # them (it left a PNG with a damaged stream or filter byte half-decoded).
+        src.load()
     orientation = _orientation(src)
     swaps = orientation in _ORIENTATION_SWAPS_AXES
-    if reduce_to is not None and fmt in _JPEG_FORMATS and hasattr(src, "draft"):
+    if drafting:
         stored_target = (reduce_to[1], reduce_to[0]) if swaps else reduce_to
         src.draft(src.mode, stored_target)
     src.load()
@@ -573,6 +610,25 @@ def _decode(
     if rgb.size != source_size:
         salt.append(("reduced", rgb.size))
     return rgb, fmt, source_mode, source_size, tuple(salt)
+
+
+def _fast_png(
+    raw: bytes, src: PILImage.Image, limits: MediaLimits, reduce_to: tuple[int, int] | None
+) -> np.ndarray | None:
+    """The pixels of a plain 8-bit RGB/grey PNG by :func:`media.png_fast.decode_png`
+    (same pixels as Pillow, about 3x faster), or ``None`` for every image it does not
+    take: then :func:`_decode` does the work, with all its checks and errors."""
+    if src.format != "PNG" or reduce_to is not None or src.mode not in ("RGB", "L"):
+        return None
+    if "transparency" in src.info or "exif" in src.info:
+        return None
+    w, h = src.size
+    _check_size(w, h, limits, "PNG image")
+    pixels = decode_png(raw)
+    if pixels is None or pixels.shape[:2] != (h, w):
+        return None
+    pixels.flags.writeable = False
+    return pixels
 
 
 def _orientation(src: PILImage.Image) -> int:

@@ -226,9 +226,9 @@ class Gemma4Encoder(CheckpointEncoder):
                 kind="image",
             )
         if (tw, th) == (width, height):
-            pixels = image.to_numpy()
+            pixels = image.rgb_view()
         else:
-            pixels = np.asarray(image.resized((tw, th), s.resample))
+            pixels = image.resized_array((tw, th), s.resample)
         values, positions, real = patchify(
             pixels[None], s.patch_size, self._image_table, s.max_patches(budget)
         )

@@ -145,11 +145,10 @@ class Qwen3VLEncoder(CheckpointEncoder):
         self._check_params(params, {"min_pixels", "max_pixels"}, "image")
         s = self.image_settings
         rw, rh = self.image_size_for(image.width, image.height, **params)
-        source: np.ndarray | PILImage.Image
         if (rw, rh) != (image.width, image.height):
-            source = image.resized((rw, rh), PILImage.Resampling(s.resample))
+            source = image.resized_array((rw, rh), PILImage.Resampling(s.resample))
         else:
-            source = image.to_numpy()
+            source = image.rgb_view()
         pixel_values = self._image_pixels(source)
         gh, gw = rh // s.patch_size, rw // s.patch_size
         grid_thw = torch.tensor([[1, gh, gw]], dtype=torch.long)
