@@ -180,7 +180,7 @@ def _bench_gemma_audio_one(samples: Path, repeats: int, enc, ref_fe, exact: bool
 
 def image_stages(samples: Path, repeats: int) -> None:
     """Where the time of an image goes, stage by stage, ours beside the reference's:
-    decode (bytes -> RGB pixels, the same Pillow decoder on both sides), resize (Pillow's
+    decode (bytes -> RGB pixels: Pillow's for JPEG on both sides, ours for plain PNGs), resize (Pillow's
     arithmetic on both sides, bit for bit: ours in media/fast_resample.py's vectorised,
     threaded kernels), and rescale+normalise+patchify (the reference: its processor minus
     its resize)."""
@@ -226,8 +226,9 @@ def image_stages(samples: Path, repeats: int) -> None:
                 f"{res_ours:8.1f} /{res_ref:6.1f}{pix:10.1f} /{whole_ref - res_ref:6.1f}"
             )
     print(
-        "  (decode is the same Pillow work on both sides and bounds the PNG rows; the resize is"
-        " Pillow's arithmetic on both sides, ours vectorised and threaded: media/fast_resample.py)"
+        "  (JPEG decode is the same Pillow call on both sides; PNG is lossless, ours media/png_fast.py."
+        " The resize is Pillow's arithmetic on both sides, ours vectorised and threaded:"
+        " media/fast_resample.py)"
     )
 
 

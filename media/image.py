@@ -47,7 +47,7 @@ import io
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,14 +222,15 @@ class Image:
             verify_png(raw, kind=KIND)
         try:
             src = _open_lazily(raw)
-            fast = _fast_png(raw, src, limits, target)
+            digest: list[str] = []  # hashed while the fast PNG path inflates, if it runs
+            fast = _fast_png(raw, src, limits, target, lambda: digest.append(content_hash(raw)))
             if fast is not None:
                 return cls(
                     array=fast,
                     format=src.format,
                     source_mode=src.mode,
                     source_size=(fast.shape[1], fast.shape[0]),
-                    content_hash=content_hash(raw),
+                    content_hash=digest[0] if digest else content_hash(raw),
                 )
             rgb, fmt, source_mode, source_size, salt = _decode(src, limits, bg, target)
         except PieMediaError:
@@ -613,7 +614,11 @@ def _decode(
 
 
 def _fast_png(
-    raw: bytes, src: PILImage.Image, limits: MediaLimits, reduce_to: tuple[int, int] | None
+    raw: bytes,
+    src: PILImage.Image,
+    limits: MediaLimits,
+    reduce_to: tuple[int, int] | None,
+    meanwhile: Callable[[], object] | None = None,
 ) -> np.ndarray | None:
     """The pixels of a plain 8-bit RGB/grey PNG by :func:`media.png_fast.decode_png`
     (same pixels as Pillow, about 3x faster), or ``None`` for every image it does not
@@ -624,7 +629,7 @@ def _fast_png(
         return None
     w, h = src.size
     _check_size(w, h, limits, "PNG image")
-    pixels = decode_png(raw)
+    pixels = decode_png(raw, meanwhile=meanwhile)
     if pixels is None or pixels.shape[:2] != (h, w):
         return None
     pixels.flags.writeable = False

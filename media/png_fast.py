@@ -25,6 +25,7 @@ import logging
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from queue import SimpleQueue
 from typing import Any
 
@@ -166,13 +167,17 @@ def _inflate_chunks(data: bytes, row_bytes: int, rows: int, chunk_rows: int) -> 
         left -= want // row_bytes
 
 
-def _inflate_and_unfilter(data: bytes, out: np.ndarray, bpp: int, unfilter: Any) -> bool:
+def _inflate_and_unfilter(
+    data: bytes, out: np.ndarray, bpp: int, unfilter: Any, meanwhile: Callable[[], object] | None
+) -> bool:
     """Fill ``out`` from the zlib ``data``; False where the stream is bad or short, or a row
     has an unknown filter. A large image is inflated on a pool thread while this thread
     undoes the filters of the rows already inflated (the two halves take about as long)."""
     height, stride = out.shape
     row_bytes = stride + 1
     if height * row_bytes < PIPELINE_MIN_BYTES or default_bands() < 2 or in_pool():
+        if meanwhile is not None:
+            meanwhile()
         try:
             raw = _inflater().decompress(data, height * row_bytes)
         except Exception:  # zlib.error, or isal's own error type: Pillow reports it
@@ -198,6 +203,8 @@ def _inflate_and_unfilter(data: bytes, out: np.ndarray, bpp: int, unfilter: Any)
     executor().submit(produce)
     y = 0
     try:
+        if meanwhile is not None:  # this thread would wait for the first rows anyway
+            meanwhile()
         while True:
             item = queue.get()
             if item is None:
@@ -211,11 +218,15 @@ def _inflate_and_unfilter(data: bytes, out: np.ndarray, bpp: int, unfilter: Any)
         stop.set()
 
 
-def decode_png(data: bytes) -> np.ndarray | None:
+def decode_png(data: bytes, *, meanwhile: Callable[[], object] | None = None) -> np.ndarray | None:
     """``(height, width, 3)`` uint8 RGB pixels of an 8-bit RGB or grey PNG without
     interlacing, transparency, animation or EXIF, exactly as Pillow decodes them (then
     converts grey to RGB); ``None`` for any other PNG, or where this path is unavailable.
-    ``data`` must have passed :func:`media.integrity.verify_png` and the size limits."""
+    ``data`` must have passed :func:`media.integrity.verify_png` and the size limits.
+
+    ``meanwhile`` (the caller's other work on the same bytes, such as hashing them) is
+    called once on this thread while the inflate runs, if this path decodes the image;
+    an exception from it propagates."""
     if not data.startswith(PNG_SIGNATURE) or len(data) < 33:
         return None
     view = memoryview(data)
@@ -246,7 +257,7 @@ def decode_png(data: bytes) -> np.ndarray | None:
     bpp = 3 if colour == 2 else 1
     stride = width * bpp
     out = np.empty((height, stride), np.uint8)
-    ok = _inflate_and_unfilter(b"".join(idat), out, bpp, unfilter)
+    ok = _inflate_and_unfilter(b"".join(idat), out, bpp, unfilter, meanwhile)
     if not ok:
         return None
     if bpp == 3:

@@ -38,6 +38,7 @@ ABSENT = frozenset(
         "wasmtime",
         "ray",
         "jsonschema",
+        "isal",
     }
 )
 

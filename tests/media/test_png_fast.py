@@ -240,3 +240,26 @@ def test_limits_are_checked_before_inflating() -> None:
     data = write_png(_photo(64, 64), [0])
     with pytest.raises(MediaTooLargeError):
         Image.from_bytes(data, MediaLimits(max_image_pixels=64 * 64 - 1))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_meanwhile_runs_once_and_its_error_propagates(
+    pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if pipelined:
+        monkeypatch.setattr(pf, "PIPELINE_MIN_BYTES", 0)
+        monkeypatch.setattr(pf, "PIPELINE_CHUNK_BYTES", 500)
+        monkeypatch.setattr(pf, "default_bands", lambda: 2)
+    px = _photo(50, 60)
+    data = write_png(px, [4, 2])
+    calls: list[int] = []
+    assert np.array_equal(pf.decode_png(data, meanwhile=lambda: calls.append(1)), px)
+    assert calls == [1]
+
+    def boom() -> None:
+        raise RuntimeError("hashing failed")
+
+    with pytest.raises(RuntimeError, match="hashing failed"):
+        pf.decode_png(data, meanwhile=boom)
+    # A PNG this path declines does not run it: the caller does that work itself.
+    assert pf.decode_png(_pillow_encoded("RGBA"), meanwhile=boom) is None
