@@ -72,6 +72,9 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
 
     path = resolve_model_dir(ref)
     if architecture_name(read_config(path)) != CSM_ARCHITECTURE:
+        from media import warm_kernels
+
+        warm_kernels()  # the image fast paths compile now, not on the first request
         return Model.load(path, **kwargs)
     known = inspect.signature(Model.load).parameters
     unknown = sorted(k for k in kwargs if k not in known or k == "path")

@@ -16,6 +16,7 @@ from media.errors import (
 )
 from media.hashing import content_hash
 from media.image import Image
+from media.kernels import warm as warm_kernels
 from media.limits import DEFAULT_LIMITS, MediaLimits
 from media.timeline import DecodePlan, Timeline
 from media.validation import check_int, check_number
@@ -46,4 +47,5 @@ __all__ = [
     "content_hash",
     "decode_data_url",
     "open_media",
+    "warm_kernels",
 ]

@@ -180,3 +180,9 @@ def test_image_resized_array_and_rgb_view(samples: Path) -> None:
     assert np.array_equal(
         from_array.resized_array((448, 336), R.BICUBIC), np.asarray(ref_pil.resize((448, 336)))
     )
+
+
+def test_warm_reports_the_fast_paths() -> None:
+    from media import warm_kernels
+
+    assert warm_kernels() == {"resize": True, "png": True}
