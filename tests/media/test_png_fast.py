@@ -263,3 +263,20 @@ def test_meanwhile_runs_once_and_its_error_propagates(
         pf.decode_png(data, meanwhile=boom)
     # A PNG this path declines does not run it: the caller does that work itself.
     assert pf.decode_png(_pillow_encoded("RGBA"), meanwhile=boom) is None
+
+
+def test_pillow_path_reports_a_bad_filter_byte_too() -> None:
+    """The bug the fast path's tests found (it was on main before it): reading EXIF loaded
+    the pixels and swallowed the decode error, so an RGBA PNG (Pillow's path) with an
+    unknown filter byte decoded half-filled. It is corrupt."""
+    rgba = np.dstack([_photo(16, 16), np.full((16, 16), 200, np.uint8)])
+    raw = b"".join(bytes([7 if y == 10 else 0]) + rgba[y].tobytes() for y in range(16))
+    data = (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", struct.pack(">IIBBBBB", 16, 16, 8, 6, 0, 0, 0))
+        + _chunk(b"IDAT", zlib.compress(raw))
+        + _chunk(b"IEND", b"")
+    )
+    assert pf.decode_png(data) is None
+    with pytest.raises(CorruptMediaError, match="malformed|truncated"):
+        Image.from_bytes(data)
