@@ -623,9 +623,8 @@ def _fast_png(
     """The pixels of a plain 8-bit RGB/grey PNG by :func:`media.png_fast.decode_png`
     (same pixels as Pillow, about 3x faster), or ``None`` for every image it does not
     take: then :func:`_decode` does the work, with all its checks and errors."""
+    # decode_png itself declines transparency, EXIF and every other PNG type.
     if src.format != "PNG" or reduce_to is not None or src.mode not in ("RGB", "L"):
-        return None
-    if "transparency" in src.info or "exif" in src.info:
         return None
     w, h = src.size
     _check_size(w, h, limits, "PNG image")
