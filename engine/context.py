@@ -34,6 +34,7 @@ import torch
 
 from engine import sampling, stopping
 from engine.chat import ChatState, chat_message, template_pieces
+from engine.drafting import MAX_DRAFT, Drafter, checked_draft
 from engine.errors import ContextClosedError, InvalidRequestError
 from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.grammar import Grammar, GrammarMatcher
@@ -324,13 +325,14 @@ class Context:
         *,
         max_tokens: int | None = None,
         grammar: Grammar | None = None,
+        drafter: Drafter | None = None,
     ) -> Generation:
         """Sample until ``stop`` (default: the model's EOS ids or ``max_tokens``, default 256).
         Generated tokens join the context (the last one stays pending). ``grammar``: the
-        output must match it (see ``stream``)."""
+        output must match it; ``drafter``: speculative decoding (see ``stream``)."""
         tokens: list[int] = []
         reason = None
-        async for ev in self.stream(sampler, stop, max_tokens=max_tokens, grammar=grammar):
+        async for ev in self.stream(sampler, stop, max_tokens=max_tokens, grammar=grammar, drafter=drafter):
             tokens.append(ev.token)
             reason = ev.done
         assert reason is not None
@@ -344,6 +346,7 @@ class Context:
         max_tokens: int | None = None,
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        drafter: Drafter | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``generate`` one token at a time: yields a ``TokenEvent`` per token; the last one
         carries ``done`` (the stop reason). ``logprobs=k`` adds each token's log-probability
@@ -352,7 +355,16 @@ class Context:
 
         ``grammar`` (``engine.grammar.Grammar``: a JSON schema, regex or Lark grammar):
         before each token every token it forbids is masked out, whatever the sampler; the
-        generation ends with reason "grammar" when the grammar allows nothing more."""
+        generation ends with reason "grammar" when the grammar allows nothing more. When the
+        grammar forces the next tokens they are checked in the same pass as the token before
+        them (jump-forward; custom samplers excepted), so a constrained generation needs
+        fewer passes and gives the same tokens.
+
+        ``drafter`` (``engine.drafting.Drafter``, e.g. ``PromptLookupDrafter()``): each pass
+        also checks the tokens it proposes and keeps those the sampler agrees with, plus one
+        more (``engine.drafting`` says why greedy and seeded output are unchanged). Events
+        still come one per token; the tokens of one pass come together (the pass's time is
+        spread over them in the inter-token latency histogram)."""
         self._check_open()
         if logprobs is not None:
             check_int("logprobs", logprobs, min=0, max=LOGPROBS_MAX)
@@ -362,55 +374,114 @@ class Context:
         if grammar is not None:  # the first one per model builds a vocabulary index (~1 s)
             matcher = await asyncio.to_thread(GrammarMatcher, grammar, self.model)
         tracker = cond.start()
-        generated: list[int] = []
-        counters = self.model.counters
-        started = last = time.perf_counter()
-        emitted = ""
+        gen = _Emission(self, cond, tracker, matcher, logprobs)
+        budget = _token_budget(cond)
+        jump = matcher is not None and not sampler.is_custom
         with self._guard():
             await self._ensure_logits()
+        if drafter is not None:
+            drafter.update(self.token_ids)
+        assert self._last_logits is not None
+        rows: Sequence[torch.Tensor] = [self._last_logits]
+        drafts: list[int] = []
         while True:
             self._check_open()
-            assert self._last_logits is not None
-            scores = self._last_logits if matcher is None else matcher.mask(self._last_logits)
-            hint = self._argmax_hint
-            if matcher is None and sampler.is_greedy and hint is not None and hint[0] is self._last_logits:
-                token = hint[1]  # the runner read it with the whole pass's argmaxes
-            else:
-                token = int(sampling.sample(scores[None], sampler, self._rng())[0])
-            if matcher is not None:
-                matcher.accept(token)
-            lp, top = (
-                sampling.logprobs_of(self._last_logits, token, logprobs)
-                if logprobs is not None
-                else (None, ())
-            )
-            generated.append(token)
-            self._append_text([token])
-            text = self.model.detokenize(generated, skip_special_tokens=True)
-            reason = tracker.check(generated, text)
-            if reason is None and matcher is not None and matcher.done:
-                reason = stopping.StopReason("grammar", text, matcher.grammar.kind)
-            if reason is not None:
-                visible = reason.text
-            else:
-                hold = cond.holdback(text)
-                visible = text[: len(text) - hold]
-            delta = ""
-            if reason is not None or not visible.endswith("\ufffd"):
-                delta = visible[len(emitted) :] if visible.startswith(emitted) else visible
-                emitted = visible
-            now = time.perf_counter()
-            (counters.itl if generated[1:] else counters.ttft).observe(
-                now - (last if generated[1:] else started)
-            )
-            last = now
-            counters.generated_tokens += 1
-            yield TokenEvent(token=token, text=delta, done=reason, logprob=lp, top_logprobs=top)
-            if reason is not None:
+            # Sample each row in order; a drafted token is kept while it is what was sampled.
+            events: list[TokenEvent] = []
+            kept = 0
+            for i, row in enumerate(rows):
+                token = self._pick(row, sampler, matcher)
+                events.append(gen.emit(token, row))
+                if i < len(drafts) and token == drafts[i]:
+                    kept += 1
+                if events[-1].done is not None or i == len(drafts) or token != drafts[i]:
+                    break
+            if drafts:
+                self._settle(len(drafts), kept, rows)
+            if kept < len(events):  # the last token was sampled, not drafted: it joins pending
+                self._append_text([events[-1].token])
+            gen.observe(len(events))
+            if drafter is not None:
+                drafter.update([ev.token for ev in events])
+            for ev in events:
+                yield ev
+            if events[-1].done is not None:
                 return
-            counters.fed_back_tokens += 1
-            with self._guard():
-                await self._prefill("last")
+            drafts = []
+            if jump and matcher is not None:
+                drafts = matcher.forced()
+            if not drafts and drafter is not None:
+                drafts = drafter.draft()
+            if drafts:
+                limit = min(MAX_DRAFT, budget - len(gen.generated) - 1)
+                drafts = checked_draft(drafts, self.model.arch.vocab_size, limit)
+            start = self._n
+            if drafts and self._table.can_reserve(start, start + 1 + len(drafts)):
+                rows = await self._verify(drafts)
+            else:
+                drafts = []
+                self.model.counters.fed_back_tokens += 1
+                with self._guard():
+                    await self._prefill("last")
+                assert self._last_logits is not None
+                rows = [self._last_logits]
+
+    def _pick(self, logits: torch.Tensor, sampler: sampling.Sampler, matcher: GrammarMatcher | None) -> int:
+        """The next token from one row of logits (grammar mask, then the sampler and this
+        context's generator); the matcher advances past it."""
+        hint = self._argmax_hint
+        if matcher is None and sampler.is_greedy and hint is not None and hint[0] is logits:
+            token = hint[1]  # the runner read it with the whole pass's argmaxes
+        else:
+            scores = logits if matcher is None else matcher.mask(logits)
+            token = int(sampling.sample(scores[None], sampler, self._rng())[0])
+        if matcher is not None:
+            matcher.accept(token)
+        return token
+
+    async def _verify(self, drafts: list[int]) -> torch.Tensor:
+        """One pass over the pending last token plus ``drafts`` (appended as rows), every
+        row's logits returned: row i is the distribution after the i-th of them. The rows
+        stay committed until ``_settle`` keeps the accepted ones."""
+        start = self._n
+        assert len(self._rows) == start + 1, "a verify step follows exactly one pending token"
+        self._append_text(drafts)
+        end = len(self._rows)
+        with self._guard():
+            self._table.set_salt(self.adapters.identity(), start)
+            step = self._build_step(start, end, "all")
+            try:
+                result = await self.model.scheduler.submit(step)
+            except BaseException:
+                self._drop_rows(start + 1)
+                raise
+        self._n = end
+        self._last_logits = self._last_hidden = self._argmax_hint = None
+        counters = self.model.counters
+        counters.fed_back_tokens += end - start  # generation rows, so prompt_tokens stays right
+        counters.drafted_tokens += len(drafts)
+        assert result is not None
+        return result
+
+    def _settle(self, drafted: int, kept: int, rows: Sequence[torch.Tensor]) -> None:
+        """After a verify pass: keep the pending token and the first ``kept`` drafted rows
+        (committed), roll the rest back (rows, chat record, pages past them)."""
+        self.model.counters.accepted_draft_tokens += kept
+        keep = len(self._rows) - drafted + kept
+        self._drop_rows(keep)
+        self._n = keep
+        self._table.truncate(keep)
+        self._table.publish(self._rows, keep)
+        # The last kept row's logits are known: a generation that stops on an accepted
+        # draft leaves no pending row, and the next sample needs no pass.
+        self._last_logits = rows[kept]
+
+    def _drop_rows(self, keep: int) -> None:
+        removed = len(self._rows) - keep
+        if removed > 0:
+            del self._rows[keep:]
+            self._cursor = self._rows[-1].next_pos if self._rows else 0
+            self._chat.forget(removed)
 
     # -- branching and persistence ---------------------------------------------------------
     def fork(self) -> Context:
@@ -812,6 +883,63 @@ class Context:
             )
             for span, at, emb in spans.values()
         ]
+
+
+def _token_budget(cond: stopping.StopCondition) -> int:
+    """The most tokens ``cond`` lets a generation have (drafts never reach past it)."""
+    parts = cond.conditions if isinstance(cond, stopping.AnyOf) else (cond,)
+    return min((p.n for p in parts if isinstance(p, stopping.MaxTokens)), default=1 << 30)
+
+
+class _Emission:
+    """One generation's output side: generated ids, stop checks, the visible text (stop
+    string holdback, open characters), logprobs and the latency counters."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        cond: stopping.StopCondition,
+        tracker: stopping.Tracker,
+        matcher: GrammarMatcher | None,
+        logprobs: int | None,
+    ):
+        self.ctx, self.cond, self.tracker, self.matcher, self.logprobs = ctx, cond, tracker, matcher, logprobs
+        self.generated: list[int] = []
+        self.emitted = ""
+        self.started = self.last = time.perf_counter()
+
+    def emit(self, token: int, logits: torch.Tensor) -> TokenEvent:
+        lp, top = (
+            sampling.logprobs_of(logits, token, self.logprobs) if self.logprobs is not None else (None, ())
+        )
+        self.generated.append(token)
+        text = self.ctx.model.detokenize(self.generated, skip_special_tokens=True)
+        reason = self.tracker.check(self.generated, text)
+        if reason is None and self.matcher is not None and self.matcher.done:
+            reason = stopping.StopReason("grammar", text, self.matcher.grammar.kind)
+        if reason is not None:
+            visible = reason.text
+        else:
+            visible = text[: len(text) - self.cond.holdback(text)]
+        delta = ""
+        if reason is not None or not visible.endswith("\ufffd"):
+            delta = visible[len(self.emitted) :] if visible.startswith(self.emitted) else visible
+            self.emitted = visible
+        return TokenEvent(token=token, text=delta, done=reason, logprob=lp, top_logprobs=top)
+
+    def observe(self, count: int) -> None:
+        """``count`` tokens just came from one pass: the first token of a generation is its
+        TTFT; the others share the time since the previous tokens."""
+        counters = self.ctx.model.counters
+        now = time.perf_counter()
+        first = len(self.generated) == count
+        if first:
+            counters.ttft.observe(now - self.started)
+        rest = count - first
+        for _ in range(rest):
+            counters.itl.observe((now - self.last) / rest)
+        self.last = now
+        counters.generated_tokens += count
 
 
 class _Busy:

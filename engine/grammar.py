@@ -217,6 +217,15 @@ class GrammarMatcher:
             raise GrammarError(f"token {token} is not allowed by the {self.grammar.kind} here")
         self.tokens += 1
 
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (llguidance's fast-forward tokens: the canonical
+        tokenization of the bytes every continuation must start with), or none. The
+        context appends them as a draft of one pass (jump-forward); each is still checked
+        against the mask and the sampler, so the output equals step-by-step decoding."""
+        if self._m.is_stopped() or self._m.is_error():
+            return []
+        return [int(t) for t in self._m.compute_ff_tokens()]
+
     def __repr__(self) -> str:
         state = "done" if self.done else ("accepting" if self.accepting else "open")
         return f"GrammarMatcher({self.grammar!r}, {self.tokens} tokens, {state})"

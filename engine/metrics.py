@@ -45,7 +45,12 @@ class EngineCounters:
 
     generated_tokens: int = 0
     fed_back_tokens: int = 0
-    """Generated tokens that went back through a forward pass (all but each generation's last)."""
+    """Rows of generation steps: generated tokens that went back through a forward pass (all
+    but each generation's last) plus drafted rows checked (``engine.drafting``)."""
+    drafted_tokens: int = 0
+    """Tokens drafters (or a grammar's forced tokens) proposed for verification."""
+    accepted_draft_tokens: int = 0
+    """Drafted tokens the sampler agreed with (kept)."""
     ttft: Histogram = field(default_factory=Histogram)
     """First token of a generation, measured from the stream's start (prefill included)."""
     itl: Histogram = field(default_factory=Histogram)
