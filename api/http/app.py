@@ -24,7 +24,7 @@ from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.registry import ModelRegistry, ServedModel, add_lora_modules
-from api.http.routes import ROUTERS, batches, health
+from api.http.routes import ROUTERS, batches, health, ui
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
@@ -143,6 +143,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     install_error_handlers(app, on_error=lambda code: service.metrics.media_errors.labels(code).inc())
     auth = [Depends(bearer_auth(keys))] if keys.enabled else []
     app.include_router(health.router)
+    app.include_router(ui.router)  # the static page; its API calls carry the key
     for r in ROUTERS:
         app.include_router(r, dependencies=auth)
     app.add_middleware(_RequestMetrics, metrics=lambda: service.metrics)
