@@ -5,6 +5,9 @@ Knows nothing about HTTP or WASM. Import what you need from here::
     from engine import Model, Context, Sampler, max_tokens, eos
 """
 
+from engine.architectures import Architecture, TextInputs
+from engine.attention import check_attention_choice, select_backend
+from engine.attention import register as register_attention
 from engine.beam import Hypothesis, beam_search
 from engine.caption import caption, caption_async, caption_many, caption_many_async
 from engine.checkpoint import (
@@ -20,11 +23,13 @@ from engine.checkpoint import (
 )
 from engine.completion import ChoiceEvent, ChoiceResult, Completion, CompletionParams, Turn, complete
 from engine.context import Context, Distribution, Generation, TokenEvent
+from engine.drafting import Drafter, DraftSpec, PromptLookupDrafter
 from engine.embeddings import POOLINGS, embed_async, embed_counted_async, embed_many_async
 from engine.errors import (
     AdapterMismatchError,
     AdapterNotFoundError,
     AttentionBackendUnavailableError,
+    QuantizationUnavailableError,
     CheckpointShapeError,
     ContextClosedError,
     EngineError,
@@ -39,16 +44,32 @@ from engine.errors import (
     SnapshotModelMismatchError,
     UnsupportedArchitectureError,
 )
+from engine.forward import BatchedHead, ForwardRunner, StepInput
 from engine.grammar import Grammar, GrammarError, GrammarMatcher, GrammarUnavailableError
-from engine.kv_pool import KVPool, PoolStats
+from engine.kv_pool import KVPool, PoolStats, bytes_per_page
 from engine.lora import Adapter, AdapterStack
 from engine.metrics import Histogram, MetricsSnapshot
 from engine.model import Model
+from engine.page_hashing import MediaRow
+from engine.page_table import PageTable
 from engine.sampling import Sampler, generator
+from engine.scheduler import Scheduler
 from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens, stop_strings
 from engine.sync import SyncContext, run_sync
 
 __all__ = [
+    "Architecture",
+    "BatchedHead",
+    "ForwardRunner",
+    "MediaRow",
+    "PageTable",
+    "Scheduler",
+    "StepInput",
+    "TextInputs",
+    "bytes_per_page",
+    "check_attention_choice",
+    "register_attention",
+    "select_backend",
     "NotASnapshotError",
     "SnapshotCorruptError",
     "SnapshotModelMismatchError",
@@ -59,6 +80,9 @@ __all__ = [
     "Histogram",
     "MetricsSnapshot",
     "Hypothesis",
+    "DraftSpec",
+    "Drafter",
+    "PromptLookupDrafter",
     "Grammar",
     "GrammarError",
     "GrammarMatcher",
@@ -75,6 +99,7 @@ __all__ = [
     "Turn",
     "complete",
     "AttentionBackendUnavailableError",
+    "QuantizationUnavailableError",
     "CheckpointShapeError",
     "Context",
     "ContextClosedError",

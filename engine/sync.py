@@ -16,6 +16,7 @@ import torch
 
 from engine import sampling, stopping
 from engine.context import Context, Distribution, Generation, TokenEvent
+from engine.drafting import Drafter
 from engine.grammar import Grammar
 from engine.model import Model
 
@@ -106,8 +107,11 @@ class SyncContext:
         *,
         max_tokens: int | None = None,
         grammar: Grammar | None = None,
+        drafter: Drafter | None = None,
     ) -> Generation:
-        return run_sync(self.ctx.generate(sampler, stop, max_tokens=max_tokens, grammar=grammar))
+        return run_sync(
+            self.ctx.generate(sampler, stop, max_tokens=max_tokens, grammar=grammar, drafter=drafter)
+        )
 
     def stream(
         self,
@@ -116,8 +120,9 @@ class SyncContext:
         *,
         max_tokens: int | None = None,
         grammar: Grammar | None = None,
+        drafter: Drafter | None = None,
     ) -> Iterator[TokenEvent]:
-        agen = self.ctx.stream(sampler, stop, max_tokens=max_tokens, grammar=grammar)
+        agen = self.ctx.stream(sampler, stop, max_tokens=max_tokens, grammar=grammar, drafter=drafter)
         try:
             while True:
                 try:
