@@ -159,6 +159,7 @@ class DecodeGraphs:
                 and not s.media
                 and s.block_ids is None
                 and not s.adapters
+                and s.embeds is None
                 for s in steps
             )
             and sum(-(-(s.kv_start + 1) // ps) for s in steps) + self.max_batch <= self.pool.num_pages

@@ -10,9 +10,9 @@ logits it asked for (none, the last row's, or every row's).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -26,14 +26,23 @@ if TYPE_CHECKING:
     from encoders import Encoded, Prepared
     from engine.decode_graphs import DecodeGraphs
 
-LogitsWanted = Literal["none", "last", "all", "hidden", "states", "last+hidden"]
+LogitsWanted = Literal["none", "last", "all", "hidden", "states", "last+hidden", "head"]
 """What a step wants back: nothing, the last row's logits, every row's logits, the last
 row's final hidden state, every row's final hidden states ("states", for embeddings), or
 the last row's logits and its final hidden state as a pair ("last+hidden": a prompt's
-prefill, whose hidden state the prefix cache keeps with its last page)."""
-"""What a step gets back: nothing, the last row's logits, every row's logits, or the last
-row's final hidden state (for a caller that may apply the LM head later, or never)."""
+prefill, whose hidden state the prefix cache keeps with its last page), or "head": what the
+runner's ``BatchedHead`` makes of the last row's final hidden state (CSM's depth decoder),
+computed in one batch for every "head" step of the pass."""
 Encode = Callable[[list["Prepared"]], list["Encoded"]]
+
+
+class BatchedHead(Protocol):
+    """Work on the last hidden state of every "head" step of a pass, done in one batch on
+    the forward worker (CSM: codebook 0 from the backbone's head, then the depth decoder's
+    codebook steps for all streams at once). ``requests[i]`` is ``StepInput.head`` of the
+    step whose state is ``hidden[i]``; returns one result per step, in order."""
+
+    def run(self, hidden: torch.Tensor, requests: Sequence[Any]) -> list[Any]: ...
 
 
 @dataclass
@@ -61,6 +70,12 @@ class StepInput:
     logits: LogitsWanted = "last"
     adapters: tuple = ()
     """(Adapter, scale) pairs this step's rows run under (``engine.lora``)."""
+    embeds: torch.Tensor | None = None
+    """(len(tokens), hidden) input embeddings of every row, used instead of embedding
+    ``tokens`` (CSM: a prompt's merged text/audio embeddings, a generated frame's summed
+    codebook embeddings); ``tokens`` then only name the rows (page keys, batch sizes)."""
+    head: Any = None
+    """With ``logits="head"``: this step's request to the runner's ``BatchedHead``."""
     argmax: int | None = None
     """Set by the runner for a "last" step when ``ForwardRunner.batch_argmax`` is on: the
     argmax of its logits, read for the whole pass in one device-to-host copy (a greedy
@@ -90,6 +105,8 @@ class ForwardRunner:
         CUDA it saves each greedy context a kernel launch and a synchronising read."""
         self.graphs: DecodeGraphs | None = None
         """One-token decode passes replayed from CUDA graphs (``engine.decode_graphs``), or None."""
+        self.head: BatchedHead | None = None
+        """What "head" steps get back (``BatchedHead``); None: such steps are refused."""
 
     def run(self, steps: list[StepInput]) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
         """Per step: (V,) logits for "last", (rows, V) for "all", the last row's (H,) final
@@ -108,6 +125,8 @@ class ForwardRunner:
         blocks: list[torch.Tensor] = []
         media_rows: list[torch.Tensor] = []
         media: list[MediaRows] = []
+        direct_rows: list[torch.Tensor] = []
+        direct_embeds: list[torch.Tensor] = []
         start = 0
         lora_rows: dict[tuple[int, float], tuple[object, float, list[int]]] = {}
         for step in steps:
@@ -133,7 +152,15 @@ class ForwardRunner:
             for m in step.media:
                 media_rows.append(m.rows + start)
                 media.append(m)
+            if step.embeds is not None:
+                if step.embeds.shape[0] != n or step.media:
+                    raise ValueError("a step's embeds cover all of its rows, and it then has no media")
+                direct_rows.append(torch.arange(start, start + n))
+                direct_embeds.append(step.embeds)
+            if step.logits == "head" and self.head is None:
+                raise ValueError('a "head" step needs a runner with a BatchedHead')
             start += n
+        media_rows.extend(direct_rows)  # after the encoded media's rows, as their embeddings below
 
         # Every index tensor of the pass reaches the device in one copy (on CUDA: from
         # pinned memory, without a stream sync; one `.to(device)` per tensor would be a
@@ -171,6 +198,8 @@ class ForwardRunner:
             at_page += table.shape[0]
 
         media_embeds, media_deepstack = self._encode(media)
+        media_embeds.extend(direct_embeds)
+        media_deepstack.extend([None] * len(direct_embeds))
         deepstack = None
         if media_rows and any(d for d in media_deepstack):
             depth = max(len(d) for d in media_deepstack if d)
@@ -184,7 +213,7 @@ class ForwardRunner:
             ids=ids_d,
             positions=positions_flat.view(positions_cpu.shape),
             media_rows=media_rows_d,
-            media_embeds=torch.cat(media_embeds).to(dev) if media_embeds else None,
+            media_embeds=torch.cat([e.to(dev) for e in media_embeds]) if media_embeds else None,
             deepstack=deepstack,
         )
         meta = BatchMeta(
@@ -209,6 +238,18 @@ class ForwardRunner:
             logits = None
             if want_rows:
                 logits = self.arch.logits(hidden[torch.cat(want_rows).to(dev)]).float()
+            head_steps = [
+                seq.q_start + seq.q_len - 1
+                for step, seq in zip(steps, seqs, strict=True)
+                if step.logits == "head"
+            ]
+            head_out: list[Any] = []
+            if head_steps:
+                assert self.head is not None
+                head_out = self.head.run(
+                    hidden[torch.tensor(head_steps, device=dev)],
+                    [s.head for s in steps if s.logits == "head"],
+                )
             last_hidden = [
                 hidden[seq.q_start + seq.q_len - 1].clone()
                 if step.logits in ("hidden", "last+hidden")
@@ -223,9 +264,12 @@ class ForwardRunner:
         out: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None] = []
         last_rows: list[tuple[StepInput, int]] = []  # "last" steps and their row in ``logits``
         at = 0
+        heads = iter(head_out)
         for step, h in zip(steps, last_hidden, strict=True):
             if step.logits == "none":
                 out.append(None)
+            elif step.logits == "head":
+                out.append(next(heads))
             elif step.logits in ("hidden", "states"):
                 out.append(h)
             elif step.logits in ("last", "last+hidden"):

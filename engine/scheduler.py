@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -66,6 +67,14 @@ class Scheduler:
 
         return await loop.run_in_executor(self._executor, head)
 
+    def after_pass(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the running loop once the forward worker has finished the
+        pass it is running or has queued now (at once, in effect, when idle). For releasing
+        the pages of a step whose awaiting task was cancelled: its pass may still write them."""
+        loop = asyncio.get_running_loop()
+        done = loop.run_in_executor(self._executor, _nothing)
+        done.add_done_callback(lambda _: callback())
+
     def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
             return self.runner.run(steps)
@@ -110,3 +119,7 @@ class Scheduler:
                 await asyncio.sleep(0)
         finally:
             self._serving.discard(loop)
+
+
+def _nothing() -> None:
+    return None

@@ -1,20 +1,24 @@
 """speech: CSM text to speech, ``SpeechModel.load(dir).speak(text)`` / ``speak_stream``, and the
-clip codecs. Uses the engine's checkpoint loader only (no pages, contexts or scheduler)::
+clip codecs. Requests run on the engine's pages and scheduler (``speech.frames``), so many
+voices share batched passes::
 
     from speech import SpeechModel, Speech
 """
 
+from speech.admission import SpeechCapacity, SpeechTicket
 from speech.clip import Speech
 from speech.codecs import MIME_TYPES, SPEECH_FORMATS, encode_pcm, format_from_extension, normalize_format
 from speech.errors import (
     EmptyTextError,
     InvalidDurationError,
     NoSpeechHeadError,
+    SpeechBusyError,
     SpeechError,
     TextTooLongError,
     UnsupportedAudioFormatError,
     UnsupportedVoiceError,
 )
+from speech.job import SpeechJob
 from speech.model import (
     CSM_ARCHITECTURE,
     MAX_SPEAKER_ID,
@@ -40,6 +44,10 @@ __all__ = [
     "SPEECH_FORMATS",
     "Speech",
     "SpeechError",
+    "SpeechBusyError",
+    "SpeechCapacity",
+    "SpeechJob",
+    "SpeechTicket",
     "SpeechModel",
     "TextTooLongError",
     "UnsupportedAudioFormatError",

@@ -46,3 +46,10 @@ class InvalidDurationError(SpeechError, InvalidRequestError):
     """``max_duration`` is not a positive number of seconds."""
 
     code = "invalid_max_duration"
+
+
+class SpeechBusyError(SpeechError):
+    """The speech model is running all it can (streams or KV pages); retry after
+    ``details['retry_after']`` seconds (HTTP 429)."""
+
+    code = "queue_full"

@@ -2,15 +2,17 @@
 
 ``SpeechModel.load(path)`` loads a ``CsmForConditionalGeneration`` checkpoint directory through the
 engine's checkpoint loader (``api.model_ref.load_model`` dispatches here by the exact architecture
-name; any other architecture is a ``NoSpeechHeadError``). No pages, contexts or scheduler: the math
-is transformers' own modules, and this room owns the frame loop so that it can stream:
+name; any other architecture is a ``NoSpeechHeadError``). The math is transformers' own modules; the
+serving is the engine's: every request is a stream of steps on the model's KV pages and scheduler,
+so many voices share batched passes.
 
-1. The prompt (context turns, then ``[speaker]text``) is rendered with the checkpoint's chat template
-   and run through its ``CsmProcessor``; text ids and context audio (Mimi-encoded) are merged into
-   backbone input embeddings by ``CsmForConditionalGeneration._merge_input_ids_with_input_values``.
-2. Per frame: the backbone (with a transformers ``DynamicCache``) gives the last hidden state;
-   ``lm_head`` picks codebook 0; the depth decoder (fresh ``DynamicCache`` per frame, seeded with
-   the backbone hidden state at position 0) picks codebooks 1..n-1; the frame is fed back.
+1. ``prepare``: the prompt (context turns, then ``[speaker]text``) is rendered with the checkpoint's
+   chat template and run through its ``CsmProcessor``; text ids and context audio (Mimi-encoded) are
+   merged into backbone input embeddings by ``CsmForConditionalGeneration._merge_input_ids_with_input_values``
+   (``speech.job``: keyed rows, so repeated context turns hit the prefix cache).
+2. ``speech.frames``: the prompt is prefilled on pages (chunked); each frame is one backbone row;
+   ``speech.frame_head`` picks codebook 0 with ``lm_head`` and codebooks 1..n-1 with the depth
+   decoder, batched over every stream of the pass; the frame is fed back.
 3. Stop rule (the reference's, ``CsmGenerationMixin._sample``): generation stops after a frame whose
    codebooks 0..n-2 all equal ``codebook_eos_token_id`` (the reference checks ``[:-1]``), or after
    ``ceil(max_duration * frame_rate)`` frames. The audio ends before the first frame whose codebooks
@@ -24,22 +26,25 @@ is transformers' own modules, and this room owns the frame loop so that it can s
 Sampling: ``temperature == 0`` is greedy at both levels. ``temperature=None`` uses the checkpoint's
 generation_config (``do_sample``, ``temperature``, ``top_k`` and the ``depth_decoder_*`` ones; a
 silent checkpoint means greedy, as ``generate`` does). ``temperature > 0`` samples both levels with
-that temperature and ``top_k`` (given, else the checkpoint's, else transformers' 50). Logits
-processing follows transformers' order: suppress, temperature, top-k, softmax, multinomial.
+that temperature and ``top_k`` (given, else the checkpoint's, else transformers' 50). A ``seed`` gives
+the request its own generator: the same frames alone or batched with others.
 
 Suppression: ids ``>= codebook_size`` of the audio vocabulary (the 3 specials past the Mimi codes:
 real CSM 2048..2050, tiny 64..66) are never Mimi codes; random weights can pick them and Mimi's
 dequantiser would index out of range. They are masked in BOTH the backbone head and the depth
 decoder. Id 0 (the eos code) is a valid Mimi code and is NOT suppressed: the stop rule needs it.
 Trained checkpoints never emit the specials, so this changes nothing for them.
+
+Capacity (``speech.admission``): at most ``max_streams`` requests run at once, each with the pages
+it can ever need promised; ``admit(wait=False)`` refuses past that (HTTP 429), the blocking calls wait.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,16 +53,26 @@ import numpy as np
 import torch
 
 from engine import (
+    ForwardRunner,
+    KVPool,
+    Scheduler,
     architecture_name,
+    bytes_per_page,
+    check_attention_choice,
     check_weights,
     default_device,
     load_part,
     load_pretrained,
     place_model,
     read_config,
+    register_attention,
     resolve_checkpoint,
+    run_sync,
+    select_backend,
 )
 from media import InvalidRequestError, check_int, check_number
+from speech.admission import DEFAULT_WAIT_S, SpeechCapacity, SpeechTicket
+from speech.backbone import CSM_ARCHITECTURE, CsmBackbone
 from speech.clip import Speech
 from speech.codecs import SPEECH_FORMATS
 from speech.errors import (
@@ -67,8 +82,11 @@ from speech.errors import (
     TextTooLongError,
     UnsupportedVoiceError,
 )
+from speech.frame_head import GREEDY, FrameHead, FrameRequest, Sampling
+from speech.frames import frames as run_frames
+from speech.frames import is_end_frame
+from speech.job import SpeechJob, audio_identity, prompt_rows
 
-CSM_ARCHITECTURE = "CsmForConditionalGeneration"
 # The text to speak may hold at most this many tokens (not counting context turns).
 MAX_SPEECH_TEXT_TOKENS = 1024
 # Speaker ids are the digits CSM sees as ``[N]``; allowed: 0..MAX_SPEAKER_ID.
@@ -79,33 +97,11 @@ DEFAULT_MAX_DURATION = 90.0
 DEFAULT_CHUNK_FRAMES = 2
 DEFAULT_CONTEXT_FRAMES = 64
 FALLBACK_TOP_K = 50  # transformers' top_k default when sampling
+DEFAULT_MAX_STREAMS = 16
+DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+DEFAULT_CUDA_KV_FRACTION = 0.25
 
-
-@dataclass(frozen=True)
-class _Sampling:
-    do_sample: bool
-    temperature: float
-    top_k: int | None
-
-
-def _pick(
-    logits: torch.Tensor, suppress: torch.Tensor, s: _Sampling, gen: torch.Generator | None
-) -> torch.Tensor:
-    """Next id per row of ``logits`` (B, V), as transformers' processors + greedy/sample do."""
-    scores = logits.float().masked_fill(suppress, float("-inf"))
-    if not s.do_sample:
-        return scores.argmax(-1)
-    scores = scores / s.temperature
-    if s.top_k is not None and 0 < s.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, s.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-
-
-def is_end_frame(frame: Sequence[int], eos_id: int) -> bool:
-    """The reference's stop rule: codebooks 0..n-2 all equal the codebook eos id."""
-    return all(int(c) == eos_id for c in list(frame)[:-1])
+__all__ = ["SpeechModel", "audio_cutoff", "is_end_frame"]
 
 
 def audio_cutoff(codes: np.ndarray, eos_id: int) -> int:
@@ -116,11 +112,34 @@ def audio_cutoff(codes: np.ndarray, eos_id: int) -> int:
     return int(hits[0]) if len(hits) else len(codes)
 
 
+@dataclass
+class SpeechStats:
+    """Counters of a speech model's work (read by /metrics, tests and benches)."""
+
+    requests: int = 0
+    prompt_rows: int = 0
+    reused_rows: int = 0
+    """Prompt rows taken from the prefix cache instead of computed."""
+    frames: int = 0
+
+
 class SpeechModel:
-    """A loaded CSM checkpoint. ``speak`` returns a ``Speech``; ``speak_stream`` yields PCM chunks."""
+    """A loaded CSM checkpoint. ``speak`` returns a ``Speech``; ``speak_stream`` yields PCM chunks;
+    ``speak_async`` / ``stream_async`` are the same inside an event loop (batched with the other
+    requests of that loop)."""
 
     def __init__(
-        self, *, path: Path, config: dict[str, Any], hf: Any, processor: Any, generation_config: Any
+        self,
+        *,
+        path: Path,
+        config: dict[str, Any],
+        hf: Any,
+        processor: Any,
+        generation_config: Any,
+        pool: KVPool,
+        attention: Any,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+        max_prefill_rows: int = 2048,
     ):
         self.path = path
         self.config = config
@@ -135,15 +154,27 @@ class SpeechModel:
         self.codebook_size = int(cfg.codec_config.codebook_size)
         self.vocab_size = int(cfg.vocab_size)
         self.eos_id = int(cfg.codebook_eos_token_id)
+        self.frame_token_id = int(cfg.audio_token_id)
         self.sample_rate = int(cfg.codec_config.sampling_rate)
         self.frame_rate = float(cfg.codec_config.frame_rate)
         self.samples_per_frame = int(round(self.sample_rate / self.frame_rate))
         self.max_positions = int(cfg.max_position_embeddings)
         self.suppress = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
         self.suppress[self.codebook_size :] = True
-        self._lock = threading.Lock()
-        # Frames generated so far by the running call (tests and benches read it).
-        self.frames_generated = 0
+        self.pool = pool
+        self.max_prefill_rows = max_prefill_rows
+        self.arch = CsmBackbone(hf)
+        self.head = FrameHead(hf, self.suppress)
+        self.runner = ForwardRunner(self.arch, pool, device=self.device, backend=attention)
+        self.runner.head = self.head
+        self.attention_backend: str = getattr(attention, "name", "torch")
+        self.scheduler = Scheduler(self.runner)
+        self.capacity = SpeechCapacity(
+            num_pages=pool.num_pages,
+            page_size=pool.page_size,
+            max_streams=check_int("max_streams", max_streams, min=1),
+        )
+        self.stats = SpeechStats()
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -153,12 +184,22 @@ class SpeechModel:
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
+        kv_pages: int | None = None,
+        kv_memory: int | None = None,
+        page_size: int = 32,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+        attention: str = "auto",
+        **_ignored: Any,
     ) -> SpeechModel:
         """Load the CSM checkpoint directory ``path`` (typed ``ModelLoadError``s from the engine's
         checkpoint loader; ``NoSpeechHeadError`` for a checkpoint of another architecture).
-        device: default CUDA when available, else CPU."""
+        device: default CUDA when available, else CPU. kv_pages / kv_memory: the backbone's page
+        pool (default 256 MiB on the CPU, a quarter of the free GPU memory on CUDA). max_streams:
+        requests generating at once. attention: as ``engine.Model.load``. Other keywords of
+        ``Model.load`` (a served model's load options) are accepted and ignored."""
         import transformers
 
+        check_attention_choice(attention)
         path = resolve_checkpoint(path)
         config = read_config(path)
         arch = architecture_name(config)
@@ -170,11 +211,26 @@ class SpeechModel:
             )
         check_weights(path)
         dev = torch.device(device) if device is not None else default_device()
+        backend = select_backend(attention, device=dev, dtype=dtype)
         hf = load_pretrained(path, CSM_ARCHITECTURE, dtype=dtype)
         processor = load_part(path, "CSM processor", transformers.AutoProcessor.from_pretrained)
         hf = place_model(hf, dev)
+        # The backbone attends over the engine's pages; the depth decoder and Mimi keep theirs.
+        _page_backbone_attention(hf)
+        layouts = CsmBackbone(hf).layer_layouts()
+        if kv_pages is None:
+            budget = kv_memory if kv_memory is not None else _default_kv_bytes(dev)
+            kv_pages = max(1, budget // bytes_per_page(layouts, page_size, dtype))
+        pool = KVPool(layouts, num_pages=int(kv_pages), page_size=page_size, dtype=dtype, device=dev)
         return cls(
-            path=path, config=config, hf=hf, processor=processor, generation_config=hf.generation_config
+            path=path,
+            config=config,
+            hf=hf,
+            processor=processor,
+            generation_config=hf.generation_config,
+            pool=pool,
+            attention=backend,
+            max_streams=max_streams,
         )
 
     @property
@@ -189,10 +245,21 @@ class SpeechModel:
     def media_kinds(self) -> frozenset[str]:
         return frozenset()
 
+    @property
+    def frames_generated(self) -> int:
+        """Frames generated so far, all requests together."""
+        return self.stats.frames
+
     formats = SPEECH_FORMATS
 
+    def pool_stats(self) -> Any:
+        return self.pool.stats()
+
     def __repr__(self) -> str:
-        return f"SpeechModel({CSM_ARCHITECTURE}, {self.path}, device={self.device}, {self.sample_rate} Hz)"
+        return (
+            f"SpeechModel({CSM_ARCHITECTURE}, {self.path}, device={self.device}, {self.sample_rate} Hz, "
+            f"{self.capacity})"
+        )
 
     # -- request checks ---------------------------------------------------------------------
     def speaker_id(self, speaker: Any) -> int:
@@ -222,7 +289,7 @@ class SpeechModel:
             raise InvalidDurationError(e.message, **e.details) from e
         return max(1, math.ceil(seconds * self.frame_rate - 1e-9))
 
-    def _check_text(self, text: Any) -> None:
+    def _check_text(self, text: Any) -> int:
         if not isinstance(text, str) or not text.strip():
             raise EmptyTextError("there is no text to speak")
         n = len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -232,6 +299,7 @@ class SpeechModel:
                 tokens=n,
                 limit=MAX_SPEECH_TEXT_TOKENS,
             )
+        return n
 
     def _audio_array(self, audio: Any) -> np.ndarray:
         if isinstance(audio, Speech):
@@ -267,8 +335,10 @@ class SpeechModel:
         return messages, audios
 
     @torch.no_grad()
-    def prompt_embeds(self, text: str, speaker: Any = 0, context: Sequence[Any] = ()) -> torch.Tensor:
-        """Backbone input embeddings (1, T, hidden) for the conversation ending in ``[speaker]text``."""
+    def _prompt(
+        self, text: str, speaker: Any, context: Sequence[Any]
+    ) -> tuple[list[int], torch.Tensor, list[str]]:
+        """Prompt ids, backbone input embeddings (T, hidden) and each context audio's key."""
         messages, audios = self.conversation(text, speaker, context)
         try:
             rendered = self.processor.apply_chat_template(messages, tokenize=False)
@@ -283,93 +353,73 @@ class SpeechModel:
             input_values=values.to(self.device, self.dtype) if values is not None else None,
             input_values_cutoffs=cutoffs.to(self.device) if cutoffs is not None else None,
         )
-        return merged["inputs_embeds"]
+        keys = [audio_identity(a, self.sample_rate) for a in audios]
+        return ids[0].tolist(), merged["inputs_embeds"][0], keys
 
-    def _sampling(self, temperature: float | None, top_k: int | None) -> tuple[_Sampling, _Sampling]:
+    def prompt_embeds(self, text: str, speaker: Any = 0, context: Sequence[Any] = ()) -> torch.Tensor:
+        """Backbone input embeddings (1, T, hidden) for the conversation ending in ``[speaker]text``."""
+        return self._prompt(text, speaker, context)[1][None]
+
+    def _sampling(self, temperature: float | None, top_k: int | None) -> tuple[Sampling, Sampling]:
         if temperature is not None:
             temperature = check_number("temperature", temperature, min=0)
         if top_k is not None:
             top_k = check_int("top_k", top_k, min=1)
         if temperature == 0:
-            greedy = _Sampling(False, 1.0, None)
-            return greedy, greedy
+            return GREEDY, GREEDY
         levels = []
         for cfg in (self.generation_config, self.hf.depth_decoder.generation_config):
             do_sample = True if temperature is not None else bool(cfg.do_sample)
             temp = float(temperature if temperature is not None else (cfg.temperature or 1.0))
             k = top_k if top_k is not None else (cfg.top_k if cfg.top_k is not None else FALLBACK_TOP_K)
-            levels.append(_Sampling(do_sample, temp, k))
+            levels.append(Sampling(do_sample, temp, k))
         return levels[0], levels[1]
 
-    # -- generation -------------------------------------------------------------------------
-    @torch.no_grad()
-    def _frames(
-        self,
-        embeds: torch.Tensor,
-        max_frames: int,
-        backbone: _Sampling,
-        depth: _Sampling,
-        gen: torch.Generator | None,
-    ) -> Iterator[list[int]]:
-        """Yield frames (lists of num_codebooks ids); the last is the end frame or the max_frames-th."""
-        from transformers import DynamicCache
-
-        hf = self.hf
-        cache = DynamicCache(config=hf.config)
-        out = hf.backbone_model(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
-        self.frames_generated = 0
-        for _ in range(max_frames):
-            hidden = out.last_hidden_state[:, -1, :]
-            first = _pick(hf.lm_head(hidden), self.suppress, backbone, gen)
-            depth_cache = DynamicCache(config=hf.depth_decoder.config)
-            step_ids = torch.stack([torch.zeros_like(first), first], dim=-1)
-            frame = [first]
-            for i in range(self.num_codebooks - 1):
-                d = hf.depth_decoder(
-                    input_ids=step_ids,
-                    backbone_last_hidden_state=hidden if i == 0 else None,
-                    past_key_values=depth_cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                code = _pick(d.logits[:, -1, :], self.suppress, depth, gen)
-                frame.append(code)
-                step_ids = code[:, None]
-            codes = torch.stack(frame, dim=-1)  # (1, num_codebooks)
-            self.frames_generated += 1
-            ids = [int(c) for c in codes[0].tolist()]
-            yield ids
-            if is_end_frame(ids, self.eos_id):
-                return
-            out = hf.backbone_model(input_ids=codes[:, None, :], past_key_values=cache, use_cache=True)
-
-    def _start(
+    def prepare(
         self,
         text: str,
-        speaker: Any,
-        max_duration: float | None,
-        temperature: float | None,
-        top_k: int | None,
-        context: Sequence[Any],
-        seed: int | None,
-    ) -> tuple[Iterator[list[int]], int]:
-        self._check_text(text)
+        speaker: Any = 0,
+        *,
+        max_duration: float | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        context: Sequence[Any] = (),
+        seed: int | None = None,
+    ) -> SpeechJob:
+        """Check a request and embed its prompt (blocking: Mimi encodes the context audio)."""
+        text_tokens = self._check_text(text)
         self.speaker_id(speaker)
         frames = self.max_frames(max_duration)
         backbone, depth = self._sampling(temperature, top_k)
-        embeds = self.prompt_embeds(text, speaker, context or ())
-        room = self.max_positions - embeds.shape[1]
+        if seed is not None:
+            seed = check_int("seed", seed, min=0)
+        ids, embeds, keys = self._prompt(text, speaker, context or ())
+        room = self.max_positions - len(ids)
         if room < 1:
             raise TextTooLongError(
-                f"the prompt with its context is {embeds.shape[1]} positions; the model holds {self.max_positions}",
-                tokens=int(embeds.shape[1]),
+                f"the prompt with its context is {len(ids)} positions; the model holds {self.max_positions}",
+                tokens=len(ids),
                 limit=self.max_positions,
             )
-        limited = min(frames, room)
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(int(seed))
-        return self._frames(embeds, limited, backbone, depth, gen), limited
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        return SpeechJob(
+            rows=prompt_rows(ids, self.frame_token_id, keys),
+            embeds=embeds,
+            max_frames=min(frames, room),
+            request=FrameRequest(backbone, depth, gen),
+            text_tokens=text_tokens,
+        )
+
+    def admit(self, job: SpeechJob, *, wait: bool = True, timeout: float = DEFAULT_WAIT_S) -> SpeechTicket:
+        """A slot for ``job`` (``SpeechBusyError`` past capacity; ``wait``: block for one instead)."""
+        return self.capacity.admit(job.total_rows, wait=wait, timeout=timeout)
+
+    # -- generation -------------------------------------------------------------------------
+    async def frames_async(self, job: SpeechJob) -> AsyncIterator[list[int]]:
+        """The frames of an admitted ``job`` (``speech.frames``)."""
+        self.stats.requests += 1
+        async for codes in run_frames(self, job):
+            yield codes
 
     @torch.no_grad()
     def decode(self, codes: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -379,6 +429,53 @@ class SpeechModel:
             return np.zeros(0, dtype=np.float32)
         audio = self.hf.codec_model.decode(codes.transpose(0, 1).unsqueeze(0)).audio_values
         return audio[0, 0].float().cpu().numpy()
+
+    def clip(self, codes: np.ndarray) -> Speech:
+        """The ``Speech`` of a request's frames (the last one may be the end frame)."""
+        codes = np.asarray(codes, dtype=np.int64).reshape(-1, self.num_codebooks)
+        stop = "eos" if len(codes) and is_end_frame(list(codes[-1]), self.eos_id) else "max_duration"
+        pcm = self.decode(codes[: audio_cutoff(codes, self.eos_id)])
+        return Speech(
+            np.clip(pcm, -1.0, 1.0).astype(np.float32), self.sample_rate, codes=codes, stop_reason=stop
+        )
+
+    async def speak_async(self, text: str, speaker: Any = 0, *, wait: bool = True, **options: Any) -> Speech:
+        """``speak`` inside an event loop: requests of the same loop share passes."""
+        job = await asyncio.to_thread(self.prepare, text, speaker, **options)
+        with self.admit(job, wait=False) if not wait else await asyncio.to_thread(self.admit, job):
+            codes = [c async for c in self.frames_async(job)]
+        return await asyncio.to_thread(self.clip, np.asarray(codes, dtype=np.int64))
+
+    async def stream_async(
+        self,
+        job: SpeechJob,
+        ticket: SpeechTicket | None = None,
+        *,
+        chunk_frames: int = DEFAULT_CHUNK_FRAMES,
+        context_frames: int = DEFAULT_CONTEXT_FRAMES,
+    ) -> AsyncIterator[np.ndarray]:
+        """PCM chunks of a prepared ``job`` as its frames come (see ``speak_stream``); the
+        ``ticket`` from ``admit`` is released when the stream ends (taken here, waiting, if None)."""
+        chunk_frames = check_int("chunk_frames", chunk_frames, min=1)
+        context_frames = check_int("context_frames", context_frames, min=0)
+        if ticket is None:
+            ticket = await asyncio.to_thread(self.admit, job)
+        codes: list[list[int]] = []
+        done = 0  # frames already voiced
+        gen = self.frames_async(job)
+        try:
+            async for ids in gen:
+                if all(c == self.eos_id for c in ids):  # the reference's audio cutoff
+                    break
+                codes.append(ids)
+                if len(codes) - done >= chunk_frames:
+                    yield await asyncio.to_thread(self._chunk, list(codes), done, context_frames)
+                    done = len(codes)
+            if len(codes) > done:
+                yield await asyncio.to_thread(self._chunk, list(codes), done, context_frames)
+        finally:
+            await gen.aclose()
+            ticket.release()
 
     def speak(
         self,
@@ -391,15 +488,20 @@ class SpeechModel:
         context: Sequence[Any] = (),
         seed: int | None = None,
     ) -> Speech:
-        """Speak ``text`` as ``speaker`` after the ``context`` turns ((speaker, text, audio) each)."""
-        with self._lock:
-            frames, limit = self._start(text, speaker, max_duration, temperature, top_k, context, seed)
-            codes = np.asarray(list(frames), dtype=np.int64).reshape(-1, self.num_codebooks)
-            stop = "eos" if len(codes) and is_end_frame(codes[-1], self.eos_id) else "max_duration"
-            pcm = self.decode(codes[: audio_cutoff(codes, self.eos_id)])
-        return Speech(
-            np.clip(pcm, -1.0, 1.0).astype(np.float32), self.sample_rate, codes=codes, stop_reason=stop
+        """Speak ``text`` as ``speaker`` after the ``context`` turns ((speaker, text, audio) each).
+        Blocking (waits for a slot); ``speak_async`` inside an event loop."""
+        job = self.prepare(
+            text,
+            speaker,
+            max_duration=max_duration,
+            temperature=temperature,
+            top_k=top_k,
+            context=context,
+            seed=seed,
         )
+        with self.admit(job):
+            codes = run_sync(_collect(self.frames_async(job)))
+        return self.clip(np.asarray(codes, dtype=np.int64))
 
     def speak_stream(
         self,
@@ -417,33 +519,70 @@ class SpeechModel:
         """Yield float32 PCM chunks of ``chunk_frames`` codec frames as they are generated.
 
         Each chunk is decoded with up to ``context_frames`` frames of left context; the chunks
-        joined equal ``speak``'s clip (see the module docstring for the tolerance).
+        joined equal ``speak``'s clip (see the module docstring for the tolerance). Checks run
+        at the call, before the first ``next()``; the slot is taken at the first ``next()``.
         """
         chunk_frames = check_int("chunk_frames", chunk_frames, min=1)
         context_frames = check_int("context_frames", context_frames, min=0)
-        # Checks run now, before the first next(): errors surface at the call.
-        with self._lock:
-            frames, _ = self._start(text, speaker, max_duration, temperature, top_k, context, seed)
-        return self._stream(frames, chunk_frames, context_frames)
+        job = self.prepare(
+            text,
+            speaker,
+            max_duration=max_duration,
+            temperature=temperature,
+            top_k=top_k,
+            context=context,
+            seed=seed,
+        )
+        return _blocking(self._stream_admitted(job, chunk_frames, context_frames))
 
-    def _stream(
-        self, frames: Iterator[list[int]], chunk_frames: int, context_frames: int
-    ) -> Iterator[np.ndarray]:
-        codes: list[list[int]] = []
-        done = 0  # frames already voiced
-        with self._lock:
-            for ids in frames:
-                if all(c == self.eos_id for c in ids):  # the reference's audio cutoff
-                    break
-                codes.append(ids)
-                if len(codes) - done >= chunk_frames:
-                    yield self._chunk(codes, done, context_frames)
-                    done = len(codes)
-            if len(codes) > done:
-                yield self._chunk(codes, done, context_frames)
+    async def _stream_admitted(
+        self, job: SpeechJob, chunk_frames: int, context_frames: int
+    ) -> AsyncIterator[np.ndarray]:
+        ticket = self.admit(job)  # blocking callers run on their own thread: waiting is fine
+        async for pcm in self.stream_async(
+            job, ticket, chunk_frames=chunk_frames, context_frames=context_frames
+        ):
+            yield pcm
 
     def _chunk(self, codes: list[list[int]], done: int, context_frames: int) -> np.ndarray:
         start = max(0, done - context_frames)
         pcm = self.decode(np.asarray(codes[start:], dtype=np.int64))
         new = (len(codes) - done) * self.samples_per_frame
         return np.clip(pcm[-new:], -1.0, 1.0).astype(np.float32)
+
+
+async def _collect(frames: AsyncIterator[list[int]]) -> list[list[int]]:
+    return [c async for c in frames]
+
+
+def _blocking(agen: AsyncIterator[np.ndarray]) -> Iterator[np.ndarray]:
+    """An async generator driven from a thread without an event loop (``run_sync`` per item);
+    closing the iterator closes the generator (its pages come back)."""
+    try:
+        while True:
+            try:
+                item = run_sync(agen.__anext__())
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        run_sync(agen.aclose())
+
+
+def _page_backbone_attention(hf: Any) -> None:
+    """Wire only the backbone's attention to the engine's pages: transformers' setter also
+    reaches Mimi's encoder/decoder configs, which keep their own implementation."""
+    before = {
+        id(m.config): (m.config, m.config._attn_implementation) for m in hf.modules() if hasattr(m, "config")
+    }
+    hf.set_attn_implementation({"": register_attention()})
+    for config, impl in before.values():
+        if config is not hf.config and config._attn_implementation != impl:
+            config._attn_implementation = impl
+
+
+def _default_kv_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_CUDA_KV_FRACTION)
+    return DEFAULT_CPU_KV_BYTES
