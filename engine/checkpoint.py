@@ -121,12 +121,17 @@ def load_pretrained(path: Path, class_name: str, *, dtype: torch.dtype) -> Any:
     ``CheckpointShapeError`` naming them."""
     import transformers
 
+    from engine.fp8_checkpoint import is_fp8_checkpoint, load_fp8_pretrained
+
     model_cls = getattr(transformers, class_name)
     with quiet_transformers():
         try:
-            hf, info = model_cls.from_pretrained(
-                path, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
-            )
+            if is_fp8_checkpoint(path):  # block-wise FP8 weights, dequantized into ``dtype``
+                hf, info = load_fp8_pretrained(path, model_cls, dtype=dtype)
+            else:
+                hf, info = model_cls.from_pretrained(
+                    path, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+                )
         except (RuntimeError, ValueError) as e:
             text = str(e)
             if "size mismatch" in text or "shape" in text.lower():

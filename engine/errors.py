@@ -99,3 +99,10 @@ class AdapterMismatchError(EngineError, InvalidRequestError):
     """The adapter does not fit the model (architecture, module, shape) or is not LoRA."""
 
     code = "adapter_mismatch"
+
+
+class QuantizationUnavailableError(EngineError, InvalidRequestError):
+    """The weight quantization asked for (``details['method']``) is unknown or cannot run on
+    this device; the message lists what is available here."""
+
+    code = "quantization_unavailable"

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.errors import AdapterMismatchError, AdapterNotFoundError
+from engine.quantization import QuantizedLinear
 
 _PREFIX = "base_model.model."
 
@@ -100,14 +101,18 @@ def pass_adapters(table: list[tuple[torch.Tensor, Adapter, float]]) -> Iterator[
 class LoRALinear(torch.nn.Module):
     """A base ``nn.Linear`` plus the LoRA deltas of the rows this pass assigns to adapters."""
 
-    def __init__(self, base: torch.nn.Linear, path: str):
+    def __init__(self, base: torch.nn.Linear | QuantizedLinear, path: str):
         super().__init__()
         # The base layer's own parameters, registered under the same names: a wrapped model's
         # state_dict (and save_pretrained) is the unwrapped one's. The layer itself is kept
-        # unregistered, for shape checks only.
+        # unregistered, for shape checks only. A quantized base (engine.quantization) is
+        # registered as ``base_layer`` and computes the base output itself.
         object.__setattr__(self, "_base", base)
-        self.weight = base.weight
-        self.bias = base.bias
+        if isinstance(base, QuantizedLinear):
+            self.base_layer = base
+        else:
+            self.weight = base.weight
+            self.bias = base.bias
         self.in_features, self.out_features = base.in_features, base.out_features
         self.path = path
 
@@ -116,7 +121,10 @@ class LoRALinear(torch.nn.Module):
         return self._base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        if isinstance(self._base, QuantizedLinear):
+            y = self._base(x)
+        else:
+            y = torch.nn.functional.linear(x, self.weight, self.bias)
         table = _PASS.get()
         if not table:
             return y
@@ -176,7 +184,7 @@ def load_adapter(hf: torch.nn.Module, lm_prefix: str, path: str | Path, name: st
             raise AdapterMismatchError(
                 "adapter targets a module the model's language model does not have", module=mod_path
             )
-        if not isinstance(target, torch.nn.Linear):
+        if not isinstance(target, torch.nn.Linear | QuantizedLinear):
             raise AdapterMismatchError("adapter targets a module that is not a linear layer", module=mod_path)
         if set(ab) != {"lora_A", "lora_B"}:
             raise AdapterMismatchError("adapter module lacks lora_A or lora_B", module=mod_path)
@@ -189,7 +197,8 @@ def load_adapter(hf: torch.nn.Module, lm_prefix: str, path: str | Path, name: st
                 got=[list(a.shape), list(b.shape)],
                 want=[list(want_a), list(want_b)],
             )
-        dev, dt = target.weight.device, torch.float32
+        dev = target.device if isinstance(target, QuantizedLinear) else target.weight.device
+        dt = torch.float32
         weights[mod_path] = (a.to(dev, dt), b.to(dev, dt))
     for mod_path in weights:
         _wrap(hf, mod_path)

@@ -40,6 +40,7 @@ from engine.forward import ForwardRunner
 from engine.kv_pool import KVPool, PoolStats, bytes_per_page
 from engine.lora import Adapter, load_adapter
 from engine.metrics import EngineCounters, MetricsSnapshot
+from engine.quantization import check_quantization, quantize_at_load
 from engine.saved import SavedContexts
 from engine.scheduler import Scheduler
 
@@ -74,6 +75,7 @@ class Model:
         encoder_cache: EncoderCache | None,
         chat_template_kwargs: dict[str, Any],
         attention: AttentionBackend | None = None,
+        quantization: str | None = None,
     ):
         from engine.chat import ChatTemplate
 
@@ -85,6 +87,9 @@ class Model:
         self.generation_config = generation_config
         self.device = device
         self.dtype = dtype
+        self.quantization = quantization
+        """What the weights are stored as: None (the load dtype), "int8", "int4", "fp8" or
+        "fp8-dequantized" (an FP8 checkpoint on the CPU); ``engine.quantization``."""
         self.pool = pool
         self.max_prefill_rows = max_prefill_rows
         self.runner = ForwardRunner(arch, pool, device=device, encode=self.encode, backend=attention)
@@ -118,6 +123,7 @@ class Model:
         chat_template_kwargs: dict[str, Any] | None = None,
         attention: str = "auto",
         cuda_graphs: int = 0,
+        quantization: str | None = None,
     ) -> Model:
         """Load the checkpoint directory ``path`` (a tiny fixture name is resolved to its
         directory by ``api.model_ref``; here it is a ``ModelLoadError``).
@@ -131,11 +137,15 @@ class Model:
         when it cannot run here). cuda_graphs: replay one-token decode passes of up to this
         many contexts from CUDA graphs (``engine.decode_graphs``; 0, the default: off). It
         needs CUDA and the flashinfer backend with kernels for the model's head size; else
-        ``InvalidRequestError`` says which is missing.
+        ``InvalidRequestError`` says which is missing. quantization: "int8" / "int4" (the
+        language model's linear layers and LM head, weight-only) or "fp8" (CUDA) at load
+        (``engine.quantization``; ``QuantizationUnavailableError`` for one the device cannot
+        run); a checkpoint carrying an fp8 ``quantization_config`` loads as such without it.
         """
         check_attention_choice(attention)
         path = resolve_checkpoint(path)
         config = read_config(path)
+        check_quantization(quantization, config, torch.device(device) if device is not None else default_device())
         arch_cls = architecture_class(config.get("architectures"))
         check_weights(path)
         check_tokenizer(path)
@@ -159,6 +169,7 @@ class Model:
         hf = place_model(hf, dev)
         hf.set_attn_implementation({"text_config": register_attention()})
         arch = arch_cls(hf)
+        quantization = quantize_at_load(hf, arch.language_model, path, config, quantization, device=dev, dtype=dtype)
         layouts = arch.layer_layouts()
         per_page = bytes_per_page(layouts, page_size, dtype)
         if kv_pages is None:
@@ -184,6 +195,7 @@ class Model:
             encoder_cache=encoder_cache,
             chat_template_kwargs=chat_template_kwargs or {},
             attention=backend,
+            quantization=quantization,
         )
         if cuda_graphs:
             from engine.decode_graphs import DecodeGraphs
@@ -324,7 +336,9 @@ class Model:
         s = self.pool.stats()
         return (
             f"Model({self.architecture}, {self.path}, device={self.device}, dtype={self.dtype}, "
-            f"kv_pages={s.num_pages}x{s.page_size})"
+            f"kv_pages={s.num_pages}x{s.page_size}"
+            + (f", quantization={self.quantization}" if self.quantization else "")
+            + ")"
         )
 
 
