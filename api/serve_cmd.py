@@ -45,6 +45,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help=f"uploads and their SQLite index live here (default: ./{DEFAULT_STATE_DIR})",
     )
     sv.add_argument(
+        "--state-db",
+        default=None,
+        metavar="postgresql://...",
+        help="keep the index of uploads, files, jobs and batches in this PostgreSQL database, "
+        "shared by replicas (then --state-dir is a folder they all see; default: SQLite files there)",
+    )
+    sv.add_argument(
         "--allowed-media-domains",
         default=None,
         help="comma-separated hosts media URLs may name (default: any public host)",
@@ -67,6 +74,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and KV pages (auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    sv.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "fp8"],
+        help="weight-only quantization of the language model at load (fp8: CUDA; an FP8 checkpoint loads as such)",
     )
     sv.add_argument("--kv-pages", type=int, default=None, help="KV pool pages per model")
     sv.add_argument(
@@ -109,6 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "api_key_file": args.api_key_file,
         "state_dir": args.state_dir,
+        "state_db": args.state_db,
         "allowed_media_domains": args.allowed_media_domains,
         "allowed_local_media_path": args.allowed_local_media_path,
         "allow_http_media": args.allow_http_media,
@@ -118,6 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "kv_pages": args.kv_pages,
+        "quantization": args.quantization,
         "cuda_graphs": args.cuda_graphs,
         "lora_modules": args.lora_modules,
         "inferlet_cache_dir": args.inferlet_cache_dir,

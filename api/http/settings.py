@@ -43,6 +43,13 @@ class ServeSettings(BaseSettings):
     api_key_file: Path | None = None
     state_dir: Path = Path("pie-media-state")
     """Uploads (files + SQLite index) live here and survive restarts."""
+    state_db: str | None = None
+    """``postgresql://...``: the index of uploads, files, jobs and batches in this database,
+    shared by replicas (``state_dir`` then a folder they all see); default: SQLite files."""
+    job_lease_s: float = Field(default=30.0, gt=0)
+    """A job item claimed by a replica that stops renewing it is free again after this."""
+    job_poll_s: float = Field(default=1.0, gt=0)
+    """How often a replica looks for shared jobs to help with (shared index only)."""
     allowed_media_domains: list[str] = Field(default_factory=list)
     """Empty: any public host; else only these hosts (and their subdomains)."""
     allowed_local_media_path: Path | None = None
@@ -70,6 +77,9 @@ class ServeSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: bfloat16 on CUDA (the served families ship bfloat16 weights; flashinfer takes
     it), float32 on the CPU (where bfloat16 matmuls are slow)."""
+    quantization: Literal["int8", "int4", "fp8"] | None = None
+    """Weight quantization of the language models at load (``engine.quantization``); a
+    checkpoint carrying an fp8 ``quantization_config`` loads as fp8 without it."""
     kv_pages: int | None = Field(default=None, ge=1)
     """KV pool pages per model (default: ``Model.load``'s memory budget)."""
     cuda_graphs: int = Field(default=0, ge=0)
@@ -94,6 +104,13 @@ class ServeSettings(BaseSettings):
         for spec in v:
             parse_lora_module(spec)  # a malformed spec stops the start with its message
         return v
+
+    @field_validator("state_db")
+    @classmethod
+    def _state_db(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"--state-db must be a postgresql:// URL, got {v.split(':', 1)[0]}:...")
+        return v or None
 
     @field_validator("limit_mm_per_prompt", mode="before")
     @classmethod
@@ -120,6 +137,8 @@ class ServeSettings(BaseSettings):
             out["kv_pages"] = self.kv_pages
         if self.cuda_graphs:
             out["cuda_graphs"] = self.cuda_graphs
+        if self.quantization:
+            out["quantization"] = self.quantization
         return out
 
     @property
