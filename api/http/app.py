@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.http.deps import Service
 from api.http.errors import install_error_handlers
 from api.http.files_store import FileStore
+from api.http.index_db import open_index
 from api.http.inferlet_runs import RunTable
 from api.http.inferlets_store import InferletStore
 from api.http.job_runner import JobRunner
@@ -77,7 +78,11 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
 
     keys = ApiKeys.from_sources(settings.api_key_file)
     registry = ModelRegistry()
-    store = MediaStore(settings.media_dir)
+
+    def index(sqlite_path: Any) -> Any:  # SQLite beside the store, or the shared database
+        return open_index(settings.state_db, sqlite_path)
+
+    store = MediaStore(settings.media_dir, index=index(settings.media_dir / "media.sqlite3"))
     limits = DEFAULT_LIMITS
     fetcher = MediaFetcher(
         allowed_domains=settings.allowed_media_domains or None,
@@ -88,7 +93,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         total_timeout=settings.media_fetch_timeout_s,
     )
     local = LocalMediaPolicy(settings.allowed_local_media_path, max_bytes=limits.max_bytes)
-    jobs = JobStore(settings.state_dir / "jobs.sqlite3")
+    jobs = JobStore(settings.state_dir / "jobs.sqlite3", index=index(settings.state_dir / "jobs.sqlite3"))
     resolver = MediaResolver(store, fetcher, local, limits)
     service = Service(
         settings=settings,
@@ -97,8 +102,10 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         media=resolver,
         metrics=ServiceMetrics(registry),
         jobs=jobs,
-        job_runner=JobRunner(jobs, store, registry, resolver),
-        files=FileStore(settings.state_dir),
+        job_runner=JobRunner(
+            jobs, store, registry, resolver, lease_s=settings.job_lease_s, poll_s=settings.job_poll_s
+        ),
+        files=FileStore(settings.state_dir, index=index(settings.state_dir / "files.sqlite3")),
         inferlet_store=InferletStore(settings.state_dir),
         inferlet_runs=RunTable(max_running=settings.max_inferlet_runs),
     )

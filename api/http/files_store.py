@@ -1,18 +1,21 @@
 """Files of the OpenAI Files API (batch inputs and outputs): content under the state dir,
-an index in SQLite (WAL), surviving restarts like uploads and jobs."""
+an index in an :class:`~api.http.index_db.IndexDB` (SQLite by default, PostgreSQL shared by
+replicas), surviving restarts like uploads and jobs."""
 
 from __future__ import annotations
 
 import os
 import re
-import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from api.http.index_db import IndexDB, SqliteIndex
+
 _ID = re.compile(r"^file-[0-9a-f]{32}$")
+_COLUMNS = "id, filename, purpose, bytes, created_at"
 
 
 @dataclass(frozen=True)
@@ -25,18 +28,21 @@ class FileRecord:
 
 
 class FileStore:
-    def __init__(self, root: Path):
+    """``index``: where the rows live (default: SQLite at ``root/files.sqlite3``)."""
+
+    def __init__(self, root: Path, *, index: IndexDB | None = None):
         self.root = root
         self.dir = root / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(root / "files.sqlite3", check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(
+        self._db: IndexDB = index if index is not None else SqliteIndex(root / "files.sqlite3")
+        self._db.create(
             "CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL, "
-            "bytes INTEGER NOT NULL, created_at REAL NOT NULL)"
+            "bytes INTEGER NOT NULL, created_at {REAL} NOT NULL)"
         )
+
+    def close(self) -> None:
+        self._db.close()
 
     def __repr__(self) -> str:
         return f"FileStore({str(self.root)!r})"
@@ -69,13 +75,13 @@ class FileStore:
         if not _ID.match(file_id):
             return None
         with self._lock:
-            row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM files WHERE id = ?", (file_id,)).fetchone()
         return FileRecord(*row) if row else None
 
     def list(self, limit: int = 100) -> list[FileRecord]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT * FROM files ORDER BY created_at DESC LIMIT ?", (limit,)
+                f"SELECT {_COLUMNS} FROM files ORDER BY created_at DESC LIMIT ?", (limit,)
             ).fetchall()
         return [FileRecord(*r) for r in rows]
 

@@ -1,13 +1,25 @@
-"""Runs caption jobs inside the server: one asyncio task per job, at most ``concurrency``
-contexts each (their decode steps share the model's forward passes with interactive
-requests). On start every unfinished job resumes from its pending items; on shutdown the
-tasks stop without marking anything, so the next start resumes them."""
+"""Runs caption jobs and batches inside the server: one asyncio task per job, at most
+``concurrency`` contexts each (their decode steps share the model's forward passes with
+interactive requests). On start every unfinished job resumes from its pending items; on
+shutdown the tasks stop and give back their claims, so the next start (or another replica)
+resumes them.
+
+Items are claimed one at a time (:meth:`JobStore.claim_items`) under this runner's owner
+id, and a heartbeat renews the claims every third of the lease, so replicas sharing the
+store split a job between them and take over the claims of one that died once its lease
+runs out. The replica that wins :meth:`JobStore.claim_finalize` writes a batch's output
+files and marks the job completed. On a shared store a watcher also starts, every
+``poll_s``, the unfinished jobs other replicas created."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,8 +35,22 @@ log = logging.getLogger("pie_media.jobs")
 
 
 class JobRunner:
-    def __init__(self, jobs: JobStore, media: MediaStore, models: ModelRegistry, resolver: MediaResolver):
+    def __init__(
+        self,
+        jobs: JobStore,
+        media: MediaStore,
+        models: ModelRegistry,
+        resolver: MediaResolver,
+        *,
+        lease_s: float = 30.0,
+        poll_s: float = 1.0,
+    ):
         self.jobs = jobs
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        """This runner's claims carry this id."""
+        self.lease_s = lease_s
+        self.poll_s = poll_s
+        self._background: list[asyncio.Task] = []
         self.media = media
         self.models = models
         self.resolver = (
@@ -43,6 +69,10 @@ class JobRunner:
         return f"JobRunner(running={sorted(self._tasks)})"
 
     def start(self, job_id: str) -> None:
+        if not self._background:
+            self._background.append(asyncio.create_task(self._heartbeat(), name="job-claims-heartbeat"))
+            if self.jobs.shared:
+                self._background.append(asyncio.create_task(self._watch(), name="job-watch"))
         if job_id not in self._tasks:
             task = asyncio.create_task(self._run(job_id), name=job_id)
             self._tasks[job_id] = task
@@ -53,7 +83,29 @@ class JobRunner:
         for job in unfinished:
             log.info("resuming %s (%d/%d finished)", job.id, job.done + job.failed, job.total)
             self.start(job.id)
+        if self.jobs.shared and not self._background:
+            self._background.append(asyncio.create_task(self._heartbeat(), name="job-claims-heartbeat"))
+            self._background.append(asyncio.create_task(self._watch(), name="job-watch"))
         return len(unfinished)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await asyncio.to_thread(self.jobs.renew, self.owner)
+            except Exception:  # a blip of the index: the next beat tries again
+                log.exception("renewing the job claims failed")
+
+    async def _watch(self) -> None:
+        """Start here the unfinished jobs of the shared store that no task here runs."""
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                for job in await asyncio.to_thread(self.jobs.unfinished):
+                    if job.id not in self._tasks and job.id not in self._cancelled:
+                        self.start(job.id)
+            except Exception:
+                log.exception("looking for shared jobs failed")
 
     async def cancel(self, job_id: str) -> None:
         self._cancelled.add(job_id)
@@ -79,10 +131,13 @@ class JobRunner:
             pass
 
     async def shutdown(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._background]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._background.clear()
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.jobs.release, self.owner)
 
     async def wait(self, job_id: str) -> None:
         task = self._tasks.get(job_id)
@@ -99,12 +154,14 @@ class JobRunner:
             await asyncio.to_thread(self.jobs.set_status, job_id, "failed", error=e.message)
             return
         await asyncio.to_thread(self.jobs.set_status, job_id, "running")
-        pending = await asyncio.to_thread(self.jobs.pending_items, job_id)
-        gate = asyncio.Semaphore(job.concurrency)
         settings = {"model": job.model, "prompt": job.prompt, "max_tokens": job.max_tokens}
 
-        async def one(idx: int, name: str, media_id: str | None, payload: str | None) -> None:
-            async with gate:
+        async def worker() -> None:
+            while job_id not in self._cancelled:
+                got = await asyncio.to_thread(self.jobs.claim_items, job_id, self.owner, 1, self.lease_s)
+                if not got:
+                    return
+                idx, name, media_id, payload = got[0]
                 if job.kind == "batch":
                     assert self.batch_line is not None
                     record, failed = await self.batch_line(name, payload)
@@ -114,7 +171,16 @@ class JobRunner:
                 await asyncio.to_thread(self.jobs.finish_item, job_id, idx, record, failed=failed)
                 await self._notify()
 
-        await asyncio.gather(*(one(*item) for item in pending))
+        while True:
+            await asyncio.gather(*(worker() for _ in range(job.concurrency)))
+            now = await asyncio.to_thread(self.jobs.get, job_id)
+            if now is None or now.finished or job_id in self._cancelled:
+                return
+            if await asyncio.to_thread(self.jobs.claim_finalize, job_id, self.owner, self.lease_s):
+                break
+            if not await asyncio.to_thread(self.jobs.pending_count, job_id):
+                return  # another replica finishes it (its watcher retries if that one dies)
+            await asyncio.sleep(self.poll_s)  # others hold the rest: wait for them or their lease
         if job.kind == "batch" and self.on_batch_done is not None:
             await self.on_batch_done(job_id)
         await asyncio.to_thread(self.jobs.set_status, job_id, "completed")

@@ -4,7 +4,9 @@ Layout under ``root`` (the service's ``--media-dir``)::
 
     files/media-<content_hash>   the uploaded bytes, exactly as received
     spool/                       uploads being received (same filesystem: moved, not copied)
-    media.sqlite3                the index (WAL, synchronous=FULL)
+    media.sqlite3                the index (WAL, synchronous=FULL), unless another
+                                 :class:`~api.http.index_db.IndexDB` is given (PostgreSQL
+                                 for replicas sharing this folder: ``spool/<host>/`` then)
 
 An id is ``"media-" + content_hash``, so the same bytes get the same id and a second
 ``put`` of them keeps the first record. Methods are synchronous and thread-safe (one
@@ -25,7 +27,7 @@ import logging
 import os
 import re
 import shutil
-import sqlite3
+import socket
 import threading
 import time
 import uuid
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from api.http.index_db import IndexDB, SqliteIndex
 from api.http.uploads import spool_owner_pid
 from media.errors import InvalidRequestError, PieMediaError
 
@@ -48,14 +51,14 @@ SCHEMA_VERSION = 1
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS media (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq          {SERIAL},
     id           TEXT    NOT NULL UNIQUE,
     kind         TEXT    NOT NULL,
     content_hash TEXT    NOT NULL,
     size         INTEGER NOT NULL,
     filename     TEXT,
     content_type TEXT,
-    created_at   REAL    NOT NULL,
+    created_at   {REAL}  NOT NULL,
     metadata     TEXT    NOT NULL DEFAULT '{}'
 )
 """
@@ -101,31 +104,39 @@ def is_media_id(value: object) -> bool:
 
 class MediaStore:
     """Stored uploads under ``root``. ``stale_after_s``: on open, spool files of dead
-    processes are removed at once, any other spool or orphan file once older than this."""
+    processes are removed at once, any other spool or orphan file once older than this.
+    ``index``: where the rows live (default: SQLite at ``root/media.sqlite3``); the store
+    closes it."""
 
-    def __init__(self, root: str | os.PathLike[str], *, stale_after_s: float = 3600.0):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        stale_after_s: float = 3600.0,
+        index: IndexDB | None = None,
+    ):
         self.root = Path(root)
         self.files_dir = self.root / "files"
-        self.spool_dir = self.root / "spool"
         self.db_path = self.root / "media.sqlite3"
         self.stale_after_s = float(stale_after_s)
-        for d in (self.root, self.files_dir, self.spool_dir):
-            d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._conn: sqlite3.Connection | None = sqlite3.connect(
-            self.db_path, check_same_thread=False, isolation_level=None, timeout=30.0
+        self._conn: IndexDB | None = None
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._conn = index if index is not None else SqliteIndex(self.db_path)
+        # A spool file names its process id: on a shared folder each host keeps its own.
+        self.spool_dir = (
+            self.root / "spool" / socket.gethostname() if self._conn.shared else self.root / "spool"
         )
+        for d in (self.files_dir, self.spool_dir):
+            d.mkdir(parents=True, exist_ok=True)
         try:
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.execute("PRAGMA busy_timeout=30000")
-            self._conn.execute(_SCHEMA)
-            version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+            self._conn.create(_SCHEMA)
+            version = self._conn.user_version("media")
             if version == 0:
-                self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                self._conn.set_user_version("media", SCHEMA_VERSION)
             elif version != SCHEMA_VERSION:
                 raise RuntimeError(
-                    f"{self.db_path} has schema version {version}; this pie-media reads {SCHEMA_VERSION}"
+                    f"{self._conn!r} has schema version {version}; this pie-media reads {SCHEMA_VERSION}"
                 )
             self._recover()
         except BaseException:
@@ -193,7 +204,7 @@ class MediaStore:
             )
             try:
                 cur = self._db().execute(
-                    f"INSERT OR IGNORE INTO media ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    f"INSERT INTO media ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
                     (
                         media_id,
                         kind,
@@ -313,7 +324,7 @@ class MediaStore:
 
     # -- internals -------------------------------------------------------------------
 
-    def _db(self) -> sqlite3.Connection:
+    def _db(self) -> IndexDB:
         if self._conn is None:
             raise RuntimeError(f"MediaStore at {self.root} is closed")
         return self._conn
@@ -349,13 +360,8 @@ class MediaStore:
         ids = [r[0] for r in db.execute("SELECT id FROM media")]
         missing = [i for i in ids if not (self.files_dir / i).is_file()]
         if missing:
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with db.transaction():
                 db.executemany("DELETE FROM media WHERE id = ?", [(i,) for i in missing])
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
             log.warning("dropped %d index rows whose file is missing under %s", len(missing), self.files_dir)
         # Spool files of dead processes, or old ones.
         removed = 0

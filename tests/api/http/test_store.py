@@ -1,4 +1,6 @@
-"""``api.http.store.MediaStore``: real files and a real SQLite index in a temp folder."""
+"""``api.http.store.MediaStore``: real files in a temp folder and a real index, each test on
+both backends (SQLite, the default; PostgreSQL, the shared one: ``state_db`` in
+tests/api/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from api.http.index_db import open_index
 from api.http.store import MediaNotFoundError, MediaRecord, MediaStore, is_media_id
 from media.errors import InvalidRequestError, PieMediaError
 
@@ -42,9 +45,13 @@ def put(store: MediaStore, data: bytes, **kw) -> tuple[MediaRecord, bool]:
     return store.put(spool(store, data), **args)
 
 
+def open_store(root: Path, state_db: str | None, **kw) -> MediaStore:
+    return MediaStore(root, index=open_index(state_db, root / "media.sqlite3"), **kw)
+
+
 @pytest.fixture()
-def store(tmp_path: Path):
-    with MediaStore(tmp_path / "state") as s:
+def store(tmp_path: Path, state_db: str | None):
+    with open_store(tmp_path / "state", state_db) as s:
         yield s
 
 
@@ -125,19 +132,20 @@ def test_list_pages_in_insertion_order(store: MediaStore) -> None:
             store.list(limit=bad)
 
 
-def test_records_survive_a_restart(tmp_path: Path) -> None:
+def test_records_survive_a_restart(tmp_path: Path, state_db: str | None) -> None:
     root = tmp_path / "state"
     payloads = [os.urandom(1000 + i) for i in range(3)]
-    with MediaStore(root) as first:
+    with open_store(root, state_db) as first:
         records = [put(first, p)[0] for p in payloads]
-    with MediaStore(root) as second:
+    with open_store(root, state_db) as second:
         assert len(second) == 3
         assert [r.id for r in second.list()] == [r.id for r in records]
         for r, p in zip(records, payloads, strict=True):
             assert second.get(r.id) == r
             assert second.read_bytes(r.id) == p
-    with sqlite3.connect(root / "media.sqlite3") as db:
-        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    if state_db is None:
+        with sqlite3.connect(root / "media.sqlite3") as db:
+            assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 TRAVERSAL = [
@@ -163,7 +171,8 @@ def test_malformed_and_traversal_ids_are_simply_not_found(store: MediaStore, bad
     assert store.delete(bad) is False
     with pytest.raises(MediaNotFoundError):
         store.read_bytes(bad)
-    assert (store.root / "media.sqlite3").exists() and len(store) == 1
+    assert len(store) == 1
+    assert (store.root / "media.sqlite3").exists() or store._conn.dialect == "postgresql"
 
 
 def test_non_str_ids_are_not_found(store: MediaStore) -> None:
@@ -171,13 +180,13 @@ def test_non_str_ids_are_not_found(store: MediaStore) -> None:
         assert store.get(bad) is None and bad not in store and store.delete(bad) is False
 
 
-def test_rows_whose_file_is_missing_are_dropped_on_open(tmp_path: Path) -> None:
+def test_rows_whose_file_is_missing_are_dropped_on_open(tmp_path: Path, state_db: str | None) -> None:
     root = tmp_path / "state"
-    with MediaStore(root) as s:
+    with open_store(root, state_db) as s:
         keep, _ = put(s, b"keep")
         lost, _ = put(s, b"lost")
         (s.files_dir / lost.id).unlink()
-    with MediaStore(root) as s:
+    with open_store(root, state_db) as s:
         assert len(s) == 1
         assert s.get(lost.id) is None and s.get(keep.id) == keep
 
@@ -188,9 +197,9 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_stale_spool_and_orphan_files_are_cleaned_on_open(tmp_path: Path) -> None:
+def test_stale_spool_and_orphan_files_are_cleaned_on_open(tmp_path: Path, state_db: str | None) -> None:
     root = tmp_path / "state"
-    with MediaStore(root) as s:
+    with open_store(root, state_db) as s:
         record, _ = put(s, b"kept")
         dead = spool(s, b"x", f"upload-{_dead_pid()}-{'a' * 32}.part")
         mine = spool(s, b"x", f"upload-{os.getpid()}-{'b' * 32}.part")
@@ -202,11 +211,11 @@ def test_stale_spool_and_orphan_files_are_cleaned_on_open(tmp_path: Path) -> Non
         os.utime(old_orphan, (time.time() - 7200, time.time() - 7200))
         fresh_orphan = s.files_dir / ("media-" + "d" * 32)
         fresh_orphan.write_bytes(b"orphan")
-    with MediaStore(root) as s:
+    with open_store(root, state_db) as s:
         assert not dead.exists() and not old_other.exists() and not old_orphan.exists()
         assert mine.exists() and fresh_other.exists() and fresh_orphan.exists()
         assert s.read_bytes(record.id) == b"kept"
-    with MediaStore(root, stale_after_s=0) as s:
+    with open_store(root, state_db, stale_after_s=0) as s:
         assert not fresh_orphan.exists() and not fresh_other.exists() and not mine.exists()
         assert s.read_bytes(record.id) == b"kept"
 
@@ -287,8 +296,8 @@ def test_concurrent_puts_from_threads(store: MediaStore) -> None:
     assert len(list(store.files_dir.iterdir())) == 10
 
 
-def test_repr_bool_and_close(tmp_path: Path) -> None:
-    s = MediaStore(tmp_path / "state")
+def test_repr_bool_and_close(tmp_path: Path, state_db: str | None) -> None:
+    s = open_store(tmp_path / "state", state_db)
     assert bool(s) and len(s) == 0
     put(s, b"one")
     assert repr(s) == f"MediaStore({str(tmp_path / 'state')!r}, records=1)"
