@@ -20,6 +20,7 @@ from typing import Any
 
 from engine import stopping
 from engine.context import Context
+from engine.drafting import DraftSpec
 from engine.errors import InvalidRequestError
 from engine.grammar import Grammar
 from engine.lora import Adapter
@@ -53,6 +54,8 @@ class CompletionParams:
     """Every choice's output must match it (``response_format``: JSON schema, regex)."""
     adapters: tuple[tuple[Adapter, float], ...] = ()
     """LoRA adapters (with scales) every choice runs under, bottom of the stack first."""
+    speculative: DraftSpec | None = None
+    """Speculative decoding: each choice drafts with its own ``speculative.make()``."""
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,13 @@ class Completion:
 
     async def _run(self, index: int, ctx: Context) -> None:
         try:
+            spec = self.params.speculative
             async for ev in ctx.stream(
-                self.params.sampler, self._stop(), logprobs=self.params.logprobs, grammar=self.params.grammar
+                self.params.sampler,
+                self._stop(),
+                logprobs=self.params.logprobs,
+                grammar=self.params.grammar,
+                drafter=spec.make() if spec is not None else None,
             ):
                 self.completion_tokens[index] += 1
                 self._queue.put_nowait(

@@ -106,6 +106,18 @@ ResponseFormat = Annotated[
 ]
 
 
+class SpeculativeOptions(BaseModel):
+    """Extension: speculative decoding. Each pass also checks up to ``num_draft`` tokens a
+    prompt-lookup drafter copies from earlier in the conversation (the latest match of its
+    last ``max_ngram`` .. ``min_ngram`` tokens); the output is what it would be without."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["prompt_lookup"] = "prompt_lookup"
+    num_draft: int = Field(default=4, ge=1, le=32)
+    max_ngram: int = Field(default=3, ge=1, le=16)
+    min_ngram: int = Field(default=1, ge=1, le=16)
+
+
 class ChatCompletionRequest(_Lenient):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -128,6 +140,9 @@ class ChatCompletionRequest(_Lenient):
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     response_format: ResponseFormat | None = None
+    speculative: SpeculativeOptions | None = Field(
+        default=None, description="extension: drafts checked per pass"
+    )
     user: str | None = None
 
 

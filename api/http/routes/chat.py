@@ -37,7 +37,16 @@ from api.http.schemas import (
     TopLogprob,
     Usage,
 )
-from engine import ChoiceEvent, Completion, CompletionParams, Grammar, InvalidRequestError, Sampler, Turn
+from engine import (
+    ChoiceEvent,
+    Completion,
+    CompletionParams,
+    DraftSpec,
+    Grammar,
+    InvalidRequestError,
+    Sampler,
+    Turn,
+)
 from media.errors import PieMediaError
 
 router = APIRouter(tags=["chat"])
@@ -143,7 +152,17 @@ def _params(body: ChatCompletionRequest, service: Service, served: ServedModel) 
         ignore_eos=body.ignore_eos,
         grammar=grammar,
         adapters=((served.adapter, 1.0),) if served.adapter is not None else (),
+        speculative=_speculative(body),
     )
+
+
+def _speculative(body: ChatCompletionRequest) -> DraftSpec | None:
+    spec = body.speculative
+    if spec is None:
+        return None
+    if spec.min_ngram > spec.max_ngram:
+        raise InvalidRequestError("speculative.min_ngram must be <= max_ngram", param="speculative")
+    return DraftSpec(spec.method, spec.num_draft, spec.max_ngram, spec.min_ngram)
 
 
 def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
