@@ -1,0 +1,269 @@
+"""The page at ``/ui`` in a real headless Chromium against the real server (tiny models):
+what a person sees equals what the API answers, and the page's controls do what they say
+(the stop button frees the request's KV pages, a job reports its bad file, an inferlet's
+sends arrive in order, a wrong key shows the server's 401 message). Each panel is
+photographed at desktop and phone width."""
+
+from __future__ import annotations
+
+import base64
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.ui.conftest import PHONE, UPLOAD_LIMIT, UiServer, open_page
+
+QWEN = "tiny-qwen3-vl"
+EXAMPLES = Path(__file__).resolve().parents[3] / "inferlets" / "examples"
+
+
+def metric(ui: UiServer, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{ui.url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"no {name} {labels} in /metrics")
+
+
+def until(page, expression: str, timeout: float = 60) -> None:
+    """Poll a JS expression (page.wait_for_function evaluates strings, which the page's CSP forbids)."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"still false after {timeout} s: {expression}"
+        time.sleep(0.05)
+
+
+def drop_file(page, selector: str, path: Path, mime: str) -> None:
+    """Drop a file on a drop zone as a person dragging it from their desktop would."""
+    data = page.evaluate_handle(
+        """([name, b64, mime]) => {
+            const dt = new DataTransfer();
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            dt.items.add(new File([bytes], name, { type: mime }));
+            return dt;
+        }""",
+        [path.name, base64.b64encode(path.read_bytes()).decode(), mime],
+    )
+    page.dispatch_event(selector, "drop", {"dataTransfer": data})
+
+
+def sampling(page, **values: object) -> None:
+    if not page.is_visible("#chat-max-tokens"):
+        page.click(".sampling summary")
+    for name, value in values.items():
+        if name == "ignore_eos":
+            page.set_checked("#chat-ignore-eos", bool(value))
+        else:
+            page.fill(f"#chat-{name.replace('_', '-')}", str(value))
+
+
+def ask(page, text: str, *, wait: str = "done") -> str:
+    n = page.locator(".msg.assistant").count()
+    page.fill("#chat-input", text)
+    page.click("#chat-send")
+    answer = page.locator(".msg.assistant").nth(n)
+    if wait:
+        answer.and_(page.locator(f"[data-done='{wait}']")).wait_for()
+    return answer.locator(".text").inner_text()
+
+
+def api_chat(ui: UiServer, messages: list[dict], max_tokens: int) -> str:
+    r = httpx.post(
+        f"{ui.url}/v1/chat/completions",
+        headers=ui.headers,
+        json={"model": QWEN, "messages": messages, "temperature": 0, "top_p": 1, "max_tokens": max_tokens},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_wrong_key_shows_the_servers_401_message(browser, ui_server: UiServer, shot) -> None:
+    page = open_page(browser, ui_server, None)
+    try:
+        page.wait_for_selector("#status.bad:has-text('401')")
+        assert "Missing API key" in page.inner_text("#status")
+        page.fill("#key-input", "sk-wrong")
+        page.click("#key-save")
+        page.wait_for_selector("#status.bad:has-text('Incorrect API key provided')")
+        assert "401" in page.inner_text("#status")
+        assert page.evaluate("sessionStorage.getItem('pie-media-api-key')") == "sk-wrong"
+        shot(page, "wrong-key")
+        page.fill("#key-input", ui_server.key)
+        page.press("#key-input", "Enter")
+        page.wait_for_selector(f"#status:not(.bad):has-text('{QWEN}')")
+        assert page.errors == []
+    finally:
+        page.context.close()
+
+
+def test_dropped_png_answer_equals_the_api_and_turns_continue(page, ui_server: UiServer, samples: Path, shot):
+    png = samples / "images" / "rgba.png"
+    drop_file(page, "#chat-drop", png, "image/png")
+    page.wait_for_selector(f"#chat-attachments li:has-text('tokens for {QWEN}')")
+    facts = page.inner_text("#chat-attachments")
+    assert "image" in facts and "96×48" in facts
+    sampling(page, temperature=0, top_p=1, max_tokens=16)
+    first = ask(page, "What is in this picture?")
+
+    uploaded = httpx.post(
+        f"{ui_server.url}/v1/media", headers=ui_server.headers, files=[("file", (png.name, png.read_bytes()))]
+    ).json()["data"][0]["media"]
+    turn1 = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": f"pie-media://{uploaded['id']}"}},
+            {"type": "text", "text": "What is in this picture?"},
+        ],
+    }
+    assert first == api_chat(ui_server, [turn1], 16)
+    assert first  # the tiny model says something
+    second = ask(page, "And the colours?")
+    history = [turn1, {"role": "assistant", "content": first}]
+    assert second == api_chat(
+        ui_server, [*history, {"role": "user", "content": [{"type": "text", "text": "And the colours?"}]}], 16
+    )
+
+    # a file the server refuses shows the server's own typed message
+    big = samples / "images" / "photo_4032x3024.jpg"
+    assert big.stat().st_size > UPLOAD_LIMIT
+    page.set_input_files("#chat-files", str(big))
+    bad = page.wait_for_selector("#chat-attachments li.bad")
+    assert "413" in bad.inner_text() and str(UPLOAD_LIMIT) in bad.inner_text()
+    shot(page, "chat")
+    page.click("#chat-attachments li.bad button")
+
+
+def test_stop_cancels_the_request_and_its_pages_come_back(page, ui_server: UiServer) -> None:
+    before = metric(ui_server, "pie_media_kv_pages", model=QWEN, state="used")
+    sampling(page, temperature=0, max_tokens=1500, ignore_eos=True)
+    ask(page, "Count to a thousand.", wait="")
+    until(
+        page,
+        "document.querySelectorAll('.msg.assistant .text')[document.querySelectorAll('.msg.assistant').length - 1].textContent.length > 0",
+    )
+    assert metric(ui_server, "pie_media_kv_pages", model=QWEN, state="used") > before
+    page.click("#chat-stop")
+    page.wait_for_selector(".msg.assistant[data-done='stopped']")
+    deadline = time.monotonic() + 15
+    while metric(ui_server, "pie_media_kv_pages", model=QWEN, state="used") != before:
+        assert time.monotonic() < deadline, "the stopped request's pages did not come back"
+        time.sleep(0.1)
+    assert metric(ui_server, "pie_media_requests_in_flight", model=QWEN) == 0
+    sampling(page, max_tokens=16, ignore_eos=False)
+
+
+def test_spoken_clip_plays_and_errors_are_the_servers(page, ui_server: UiServer, shot) -> None:
+    page.click("#tab-speak")
+    page.fill("#speak-text", "")
+    page.click("#speak-go")
+    err = page.wait_for_selector("#speak-error:not([hidden])")
+    assert "400" in err.inner_text() and "input" in err.inner_text()
+    page.fill("#speak-text", "Good morning.")
+    page.fill("#speak-max", "1")
+    page.select_option("#speak-format", "wav")
+    page.click("#speak-go")
+    until(
+        page,
+        "(() => { const a = document.getElementById('speak-audio'); return !a.hidden && isFinite(a.duration) && a.duration > 0; })()",
+    )
+    assert page.is_hidden("#speak-error")
+    assert page.get_attribute("#speak-download", "download") == "speech.wav"
+    duration = page.evaluate("document.getElementById('speak-audio').duration")
+    assert 0 < duration <= 1.2
+    shot(page, "speak")
+
+
+def test_caption_job_of_twelve_reports_the_bad_file(page, samples: Path, shot) -> None:
+    images = sorted(
+        p
+        for p in (samples / "images").iterdir()
+        if p.suffix in (".png", ".jpg") and p.stat().st_size < UPLOAD_LIMIT
+    )
+    files = [*images[:11], samples / "hostile" / "image_truncated.jpg"]
+    assert len(files) == 12
+    page.click("#tab-jobs")
+    page.fill("#jobs-max-tokens", "4")
+    page.set_input_files("#jobs-files", [str(f) for f in files])
+    assert page.inner_text("#jobs-picked") == "12 file(s) chosen"
+    page.click("#jobs-start")
+    page.wait_for_selector("#jobs-download:not([hidden])")
+    assert "12/12 (11 captioned, 1 failed)" in page.inner_text("#jobs-counts")
+    assert page.get_attribute("#jobs-bar", "value") == "12"
+    rows = page.locator("#jobs-results tbody tr")
+    assert rows.count() == 12
+    bad = page.locator("#jobs-results tbody tr.bad")
+    assert bad.count() == 1 and "image_truncated.jpg" in bad.inner_text()
+    shot(page, "jobs")
+
+
+@pytest.fixture(scope="module")
+def wasm() -> Path:
+    from fixtures.paths import cache_root
+    from inferlets import build_component
+
+    return build_component(EXAMPLES, cache_root() / "inferlets-build")
+
+
+def test_inferlet_sends_appear_in_order(page, ui_server: UiServer, wasm: Path, shot) -> None:
+    args = ["best-of", QWEN, "Name a fruit.", "6", "3", "0.8", "5"]
+    page.click("#tab-inferlets")
+    page.set_input_files("#inferlet-file", str(wasm))
+    page.wait_for_selector("#inferlet-run:not([disabled])", timeout=180_000)
+    inferlet_id = page.inner_text("#inferlet-id").split()[0]
+    page.fill("#inferlet-args", "\n".join(args))
+    page.click("#inferlet-run")
+    page.wait_for_selector("#inferlet-state:text('succeeded')")
+    sends = page.locator("#inferlet-sends li").all_inner_texts()
+    run = httpx.post(
+        f"{ui_server.url}/v1/inferlets/{inferlet_id}/runs",
+        headers=ui_server.headers,
+        json={"args": args},
+        timeout=120,
+    ).json()
+    assert len(sends) == 3 and sends == run["sends"]
+    assert page.inner_text("#inferlet-result") == run["result"]
+    page.fill("#inferlet-args", "no-such-example")
+    page.click("#inferlet-run")
+    err = page.wait_for_selector("#inferlet-error:not([hidden])")
+    assert "first argument" in err.inner_text()
+    shot(page, "inferlets")
+
+
+def test_server_panel_draws_live_charts(page, ui_server: UiServer, shot) -> None:
+    page.click("#tab-server")
+    for name in (QWEN, "tiny-csm"):
+        page.wait_for_selector(f"#server-models td:text('{name}')")
+    for chart in ("kv", "contexts", "cache", "ttft"):
+        page.wait_for_selector(
+            f".chart[data-chart='{chart}'][data-model='{QWEN}'] polyline", state="attached"
+        )
+    used = int(metric(ui_server, "pie_media_kv_pages", model=QWEN, state="used"))  # the server is idle now
+    free = int(metric(ui_server, "pie_media_kv_pages", model=QWEN, state="free"))
+    value = f".chart[data-chart='kv'][data-model='{QWEN}'] .value"
+    until(
+        page, f"document.querySelector(\"{value}\").textContent === 'used {used} · free {free}'", timeout=10
+    )
+    points = page.get_attribute(f".chart[data-chart='kv'][data-model='{QWEN}'] polyline", "points")
+    assert len(points.split()) >= 2  # a line over time, not one number
+    assert "ms" in page.inner_text(f".chart[data-chart='ttft'][data-model='{QWEN}'] .value")
+    shot(page, "server")
+
+
+def test_every_panel_fits_a_phone_and_tabs_take_the_keyboard(page) -> None:
+    page.set_viewport_size(PHONE)
+    try:
+        page.focus("#tab-chat")
+        for name in ("speak", "jobs", "inferlets", "server", "chat"):
+            page.keyboard.press("ArrowRight")
+            assert page.evaluate("document.activeElement.id") == f"tab-{name}"
+            assert page.is_visible(f"#panel-{name}")
+            width = page.evaluate("document.documentElement.scrollWidth")
+            assert width <= PHONE["width"], (name, width)
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 860})
