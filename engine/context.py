@@ -26,7 +26,7 @@ import asyncio
 import hashlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -384,22 +384,16 @@ class Context:
         assert self._last_logits is not None
         rows: Sequence[torch.Tensor] = [self._last_logits]
         drafts: list[int] = []
+        events: list[TokenEvent] = []  # the tokens of one pass
+
+        def emit(token: int, row: torch.Tensor) -> bool:
+            events.append(gen.emit(token, row))
+            return events[-1].done is not None
+
         while True:
             self._check_open()
-            # Sample each row in order; a drafted token is kept while it is what was sampled.
-            events: list[TokenEvent] = []
-            kept = 0
-            for i, row in enumerate(rows):
-                token = self._pick(row, sampler, matcher)
-                events.append(gen.emit(token, row))
-                if i < len(drafts) and token == drafts[i]:
-                    kept += 1
-                if events[-1].done is not None or i == len(drafts) or token != drafts[i]:
-                    break
-            if drafts:
-                self._settle(len(drafts), kept, rows)
-            if kept < len(events):  # the last token was sampled, not drafted: it joins pending
-                self._append_text([events[-1].token])
+            events.clear()
+            self._take(rows, drafts, sampler, matcher, emit)
             gen.observe(len(events))
             if drafter is not None:
                 drafter.update([ev.token for ev in events])
@@ -425,6 +419,69 @@ class Context:
                     await self._prefill("last")
                 assert self._last_logits is not None
                 rows = [self._last_logits]
+
+    async def verify_draft(self, draft: Sequence[int], sampler: sampling.Sampler | None = None) -> list[int]:
+        """One speculative step outside ``generate``: check ``draft`` (the tokens a caller
+        expects next) in one pass and append the longest prefix the sampler agrees with plus
+        one more sampled token; returns those tokens (at least one). A context whose last
+        row is pending (as after a generation or an earlier call) checks everything in one
+        pass; otherwise its pending rows are prefilled first and the draft's first token is
+        checked against the logits that gives. No stop conditions apply."""
+        self._check_open()
+        sampler = sampler or self.sampler or sampling.Sampler.greedy()
+        draft = checked_draft(list(draft), self.model.arch.vocab_size, MAX_DRAFT)
+        out: list[int] = []
+
+        def note(token: int, row: torch.Tensor) -> bool:
+            out.append(token)
+            return False
+
+        if self.pending != 1:
+            with self._guard():
+                await self._ensure_logits()
+            assert self._last_logits is not None
+            self._take([self._last_logits], [], sampler, None, note)
+            if not draft or out[-1] != draft[0]:
+                return out
+            draft = draft[1:]
+        if draft and self._table.can_reserve(self._n, self._n + 1 + len(draft)):
+            rows: Sequence[torch.Tensor] = await self._verify(draft)
+        else:
+            draft = []
+            with self._guard():
+                await self._prefill("last")
+            assert self._last_logits is not None
+            rows = [self._last_logits]
+        self._check_open()
+        self._take(rows, draft, sampler, None, note)
+        return out
+
+    def _take(
+        self,
+        rows: Sequence[torch.Tensor],
+        drafts: list[int],
+        sampler: sampling.Sampler,
+        matcher: GrammarMatcher | None,
+        emit: Callable[[int, torch.Tensor], bool],
+    ) -> None:
+        """Sample ``rows`` in order (row i: the distribution after the pending token and
+        ``drafts[:i]``); a drafted token is kept while it is what was sampled, and the first
+        mismatch, the last row or ``emit`` returning True (a stop) ends it. The kept rows
+        stay, the rest are rolled back, and a sampled (not drafted) last token joins the
+        context pending."""
+        count = kept = 0
+        for i, row in enumerate(rows):
+            token = self._pick(row, sampler, matcher)
+            count += 1
+            stopped = emit(token, row)
+            if i < len(drafts) and token == drafts[i]:
+                kept += 1
+            if stopped or i == len(drafts) or token != drafts[i]:
+                break
+        if drafts:
+            self._settle(len(drafts), kept, rows)
+        if kept < count:
+            self._append_text([token])
 
     def _pick(self, logits: torch.Tensor, sampler: sampling.Sampler, matcher: GrammarMatcher | None) -> int:
         """The next token from one row of logits (grammar mask, then the sampler and this

@@ -308,3 +308,28 @@ def test_sync_context_passes_the_drafter(qwen):
         assert got.tokens == plain.tokens
         ctx.rewind(len(got.tokens))
         assert [ev.token for ev in ctx.stream(max_tokens=10, drafter=PromptLookupDrafter())] == plain.tokens
+
+
+def test_verify_draft_returns_the_accepted_prefix_plus_the_next_token(qwen, gemma):
+    for model in (qwen, gemma):
+        plain, _ = _gen(model, COPY, max_tokens=12)
+        truth = plain.tokens
+
+        async def run():
+            ctx = Context(model)
+            ctx.user(COPY)
+            ctx.cue()
+            try:
+                got = await ctx.verify_draft(truth[:4])  # pending prompt: prefilled first
+                assert got == truth[:5]
+                wrong = [truth[5], truth[6], (truth[7] + 1) % 50, truth[8]]
+                got2 = await ctx.verify_draft(wrong)  # pending last token: one pass
+                assert got2 == truth[5:8]
+                got3 = await ctx.verify_draft([])
+                assert got3 == truth[8:9]
+                rest = await ctx.generate(max_tokens=3)
+                assert rest.tokens == truth[9:12]
+            finally:
+                ctx.close()
+
+        run_sync(run())
