@@ -62,8 +62,9 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
     ``architectures[0]`` of its config.json: ``CsmForConditionalGeneration`` gives a
     ``speech.SpeechModel``, anything else ``engine.Model.load(dir, **kwargs)``.
 
-    ``kwargs`` are ``Model.load``'s options. A speech model takes ``device`` and ``dtype``
-    and ignores the rest (the KV pool, prefill and attention options), so one set of
+    ``kwargs`` are ``Model.load``'s options plus ``max_speech_streams``. A speech model takes
+    ``device``, ``dtype``, ``attention``, ``kv_pages`` and ``max_speech_streams`` and ignores
+    the rest (prefill, quantization and graph options of the text engine), so one set of
     options can load any model; a name ``Model.load`` does not know is a ``TypeError``."""
     import inspect
 
@@ -71,6 +72,7 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
     from speech import CSM_ARCHITECTURE, SpeechModel
 
     path = resolve_model_dir(ref)
+    max_speech_streams = kwargs.pop("max_speech_streams", None)
     if architecture_name(read_config(path)) != CSM_ARCHITECTURE:
         from media import warm_kernels
 
@@ -80,4 +82,7 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
     unknown = sorted(k for k in kwargs if k not in known or k == "path")
     if unknown:
         raise TypeError(f"load_model() got unexpected keyword argument(s): {', '.join(unknown)}")
-    return SpeechModel.load(path, **{k: v for k, v in kwargs.items() if k in ("device", "dtype")})
+    speech_options = {k: v for k, v in kwargs.items() if k in ("device", "dtype", "attention", "kv_pages")}
+    if max_speech_streams is not None:
+        speech_options["max_streams"] = max_speech_streams
+    return SpeechModel.load(path, **speech_options)

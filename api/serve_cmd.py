@@ -83,6 +83,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     sv.add_argument("--kv-pages", type=int, default=None, help="KV pool pages per model")
     sv.add_argument(
+        "--max-speech-streams",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speech requests a CSM model generates at once, batched (default 16); past it: 429",
+    )
+    sv.add_argument(
         "--cuda-graphs",
         type=int,
         default=None,
@@ -104,6 +111,19 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="NAME=PATH[@BASE]",
         help="serve PEFT LoRA adapters as models NAME on the chat model BASE (default: the first)",
+    )
+    sv.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="serve through Ray Serve: engine replicas behind one HTTP entry, routed by prefix "
+        "affinity then load (ADDRESS: a running cluster, e.g. ray://head:10001 or auto; none: a "
+        "local Ray); share state with --state-db",
+    )
+    sv.add_argument(
+        "--replicas", type=int, default=None, metavar="N", help="engine replicas with --ray (default 1)"
     )
     sv.add_argument("--log-level", default="info")
 
@@ -134,6 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "kv_pages": args.kv_pages,
         "quantization": args.quantization,
         "cuda_graphs": args.cuda_graphs,
+        "max_speech_streams": args.max_speech_streams,
         "lora_modules": args.lora_modules,
         "inferlet_cache_dir": args.inferlet_cache_dir,
         "max_inferlet_runs": args.max_inferlet_runs,
@@ -144,5 +165,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pie-media serve: {e}", file=sys.stderr)
         return 2
+    replicas = args.replicas if getattr(args, "replicas", None) is not None else 1
+    if replicas < 1 or (getattr(args, "replicas", None) is not None and getattr(args, "ray", None) is None):
+        print("pie-media serve: --replicas N (N >= 1) goes with --ray", file=sys.stderr)
+        return 2
+    if getattr(args, "ray", None) is not None:
+        from api.serve_ray import run
+
+        run(settings, address=args.ray or None, replicas=replicas, log_level=args.log_level)
+        return 0
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
     return 0

@@ -440,9 +440,16 @@ class SpeechModel:
         )
 
     async def speak_async(self, text: str, speaker: Any = 0, *, wait: bool = True, **options: Any) -> Speech:
-        """``speak`` inside an event loop: requests of the same loop share passes."""
+        """``speak`` inside an event loop: requests of the same loop share passes. ``wait=False``:
+        ``SpeechBusyError`` at once when the model is full."""
         job = await asyncio.to_thread(self.prepare, text, speaker, **options)
-        with self.admit(job, wait=False) if not wait else await asyncio.to_thread(self.admit, job):
+        ticket = self.admit(job, wait=False) if not wait else await asyncio.to_thread(self.admit, job)
+        return await self.clip_async(job, ticket)
+
+    async def clip_async(self, job: SpeechJob, ticket: SpeechTicket) -> Speech:
+        """The whole ``Speech`` of an admitted ``job`` (one Mimi decode, as ``speak``); the
+        ticket is released when the frames are done."""
+        with ticket:
             codes = [c async for c in self.frames_async(job)]
         return await asyncio.to_thread(self.clip, np.asarray(codes, dtype=np.int64))
 

@@ -46,6 +46,9 @@ class _EngineCollector(Collector):
         for served in self.models:
             in_flight.add_metric([served.name], served.in_flight)
             capacity.add_metric([served.name], served.max_concurrency)
+            if served.kind == "speech":
+                _speech_state(served, pages, contexts, passes, steps, engine_tokens)
+                continue
             if served.kind != "chat":
                 continue
             m = served.model.metrics()  # the engine's own snapshot (engine/metrics.py)
@@ -64,6 +67,25 @@ class _EngineCollector(Collector):
             engine_tokens.add_metric([served.name, "prompt"], m.prompt_tokens)
             engine_tokens.add_metric([served.name, "generated"], m.generated_tokens)
         yield from (in_flight, capacity, pages, contexts, cache, passes, steps, engine_tokens)
+
+
+def _speech_state(served: Any, pages: Any, contexts: Any, passes: Any, steps: Any, tokens: Any) -> None:
+    """A speech model's engine state: its pages, running streams, passes, rows and frames."""
+    model = served.model
+    pool = model.pool_stats()
+    for state, value in (
+        ("used", pool.in_use),
+        ("shared", pool.shared),
+        ("cached", pool.cached),
+        ("free", pool.free),
+    ):
+        pages.add_metric([served.name, state], value)
+    contexts.add_metric([served.name], model.capacity.streams)
+    passes.add_metric([served.name], model.scheduler.stats.passes)
+    steps.add_metric([served.name], model.scheduler.stats.steps)
+    tokens.add_metric([served.name, "prompt"], model.stats.prompt_rows)
+    tokens.add_metric([served.name, "prompt_reused"], model.stats.reused_rows)
+    tokens.add_metric([served.name, "generated"], model.stats.frames)
 
 
 class ServiceMetrics:
@@ -93,6 +115,13 @@ class ServiceMetrics:
         self.itl = Histogram(
             "pie_media_inter_token_latency_seconds",
             "Time between tokens of one choice",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.speech_ttfa = Histogram(
+            "pie_media_speech_time_to_first_audio_seconds",
+            "Speech request start to its first audio chunk",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,

@@ -46,6 +46,8 @@ class ServeSettings(BaseSettings):
     state_db: str | None = None
     """``postgresql://...``: the index of uploads, files, jobs and batches in this database,
     shared by replicas (``state_dir`` then a folder they all see); default: SQLite files."""
+    shared_state: bool = False
+    """Several processes (replicas) use the state folder at once (set by ``--ray``)."""
     job_lease_s: float = Field(default=30.0, gt=0)
     """A job item claimed by a replica that stops renewing it is free again after this."""
     job_poll_s: float = Field(default=1.0, gt=0)
@@ -84,6 +86,9 @@ class ServeSettings(BaseSettings):
     """KV pool pages per model (default: ``Model.load``'s memory budget)."""
     cuda_graphs: int = Field(default=0, ge=0)
     """Replay decode passes of up to this many contexts from CUDA graphs (0: off)."""
+    max_speech_streams: int = Field(default=16, ge=1)
+    """Speech requests one CSM model generates at once (batched); past it (or past its KV
+    pages) the speech endpoint answers 429."""
     max_inferlet_bytes: int = Field(default=64 << 20, ge=1)
     """Size of one uploaded inferlet component."""
     inferlet_cache_dir: Path | None = None
@@ -139,6 +144,7 @@ class ServeSettings(BaseSettings):
             out["cuda_graphs"] = self.cuda_graphs
         if self.quantization:
             out["quantization"] = self.quantization
+        out["max_speech_streams"] = self.max_speech_streams
         return out
 
     @property

@@ -1,11 +1,20 @@
 """``POST /v1/audio/speech`` (OpenAI's text-to-speech) and ``GET /v1/audio/voices``.
 
-The audio is always sent as it is generated: ``stream_format="audio"`` (the default)
-streams the encoded file in chunks (chunked transfer), ``"sse"`` sends
-``speech.audio.delta`` events with base64 audio, then ``speech.audio.done`` with usage.
-Generation runs on a worker thread (CSM's frame loop is synchronous); a client that
-leaves stops it between chunks. ``speed`` other than 1.0 time-stretches the whole clip
-with librosa's phase vocoder (pitch kept), so that clip is sent once it is complete.
+Speech requests run on the speech model's engine, on the server's event loop: every
+request's frames share batched passes with the others' (``speech.frames``). The request is
+checked and its prompt embedded off the loop, then admitted twice at once, before any byte
+is sent: the served model's concurrency limit and the speech model's own capacity (streams
+and KV pages, ``speech.admission``); past either the answer is 429 with Retry-After.
+
+``stream_format="audio"`` (the default) streams ``mp3``/``opus``/``aac``/``pcm`` in chunks as
+frames are generated (chunked transfer); ``wav`` and ``flac`` are sent whole, once the clip is
+complete, with their real length in the header (a streamed FLAC or WAV has no length, and
+libsndfile refuses such a FLAC). ``"sse"`` sends ``speech.audio.delta`` events with base64
+audio of any format, then ``speech.audio.done`` with usage. ``speed`` other than 1.0
+time-stretches the whole clip with librosa's phase vocoder (pitch kept), so that clip is
+sent once it is complete. A client that leaves ends its stream: the pages come back at once
+(or when the pass writing them ends). Time to first audio is observed per request in
+``pie_media_speech_time_to_first_audio_seconds``.
 """
 
 from __future__ import annotations
@@ -13,19 +22,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, Depends
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
 
 from api.http.deps import Service, get_service
+from api.http.disconnect import cancel_on_disconnect
 from api.http.speech_schemas import SpeechRequest, VoiceList
 from api.http.voices import VOICES, voice_list
 from media import InvalidRequestError
-from speech import StreamEncoder, UnsupportedVoiceError
+from speech import StreamEncoder, UnsupportedVoiceError, encode_pcm
 
 router = APIRouter(tags=["audio"])
 
@@ -37,7 +47,8 @@ MEDIA_TYPES = {
     "wav": "audio/wav",
     "pcm": "audio/pcm",
 }
-_DONE = object()
+WHOLE_FORMATS = ("wav", "flac")
+"""Sent whole (with their length) unless the client asks for SSE."""
 
 
 @router.get("/v1/audio/voices", response_model=VoiceList, responses=Service.error_responses(401))
@@ -50,12 +61,13 @@ async def voices() -> VoiceList:
     responses={
         200: {
             "content": {t: {} for t in {*MEDIA_TYPES.values(), "text/event-stream"}},
-            "description": "the audio, streamed as it is generated",
+            "description": "the audio: streamed as it is generated, or whole for wav/flac",
         },
         **Service.error_responses(400, 401, 404, 429),
     },
 )
-async def speak(body: SpeechRequest, service: Service = Depends(get_service)) -> StreamingResponse:
+async def speak(body: SpeechRequest, request: Request, service: Service = Depends(get_service)) -> Response:
+    started = time.perf_counter()
     served = service.models.get(body.model, kind="speech")
     model = served.model
     speaker = _speaker(body.voice)
@@ -63,31 +75,47 @@ async def speak(body: SpeechRequest, service: Service = Depends(get_service)) ->
         (_speaker(t.voice) if t.voice is not None else speaker, t.text, await _context_audio(service, t))
         for t in body.context or []
     ]
-    kwargs = {
-        "max_duration": body.max_duration,
-        "temperature": body.temperature,
-        "top_k": body.top_k,
-        "seed": body.seed,
-        "context": context,
-    }
     encoder = StreamEncoder(body.response_format, model.sample_rate)  # checks the format now
     admission = served.admit()
     try:
         # Checks (text length, voice, durations) run here, so they are a status, not a broken stream.
-        chunks = await asyncio.to_thread(_chunks, model, body, speaker, kwargs)
+        job = await asyncio.to_thread(
+            model.prepare,
+            body.input,
+            speaker,
+            max_duration=body.max_duration,
+            temperature=body.temperature,
+            top_k=body.top_k,
+            seed=body.seed,
+            context=context,
+        )
+        ticket = model.admit(job, wait=False)
     except BaseException:
         admission.release()
         raise
-    input_tokens = len(model.tokenizer.encode(body.input, add_special_tokens=False))
-    counted = _Counted(chunks)
-    pieces = _encoded(counted, encoder, admission)
+    if body.stream_format != "sse" and body.response_format in WHOLE_FORMATS:
+        # One Mimi decode of the whole clip (``speak``'s audio exactly), sent with its length.
+        try:
+            clip = await cancel_on_disconnect(request, model.clip_async(job, ticket))
+            if len(clip.pcm):
+                service.metrics.speech_ttfa.labels(served.name).observe(time.perf_counter() - started)
+        finally:
+            ticket.release()
+            admission.release()
+        pcm = clip.pcm if body.speed == 1.0 else await asyncio.to_thread(_stretch, clip.pcm, body.speed)
+        data = await asyncio.to_thread(encode_pcm, pcm, model.sample_rate, body.response_format)
+        return Response(data, media_type=MEDIA_TYPES[body.response_format])
+    stream = _Timed(model.stream_async(job, ticket), admission, service, served.name, started)
+    chunks: AsyncIterator[np.ndarray] = stream
+    if body.speed != 1.0:
+        chunks = _stretched(stream, body.speed)
     if body.stream_format == "sse":
         return StreamingResponse(
-            _sse(pieces, input_tokens, counted, model),
+            _sse(_encoded(chunks, encoder), job.text_tokens, stream, model),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return StreamingResponse(pieces, media_type=MEDIA_TYPES[body.response_format])
+    return StreamingResponse(_encoded(chunks, encoder), media_type=MEDIA_TYPES[body.response_format])
 
 
 def _speaker(voice: str | int) -> int:
@@ -114,14 +142,6 @@ async def _context_audio(service: Service, turn: Any) -> Any:
     return await service.media.from_base64(turn.audio, "audio")
 
 
-def _chunks(model: Any, body: SpeechRequest, speaker: int, kwargs: dict[str, Any]) -> Iterator[np.ndarray]:
-    """PCM chunks as CSM generates them (or the whole stretched clip when speed != 1)."""
-    if body.speed != 1.0:
-        clip = model.speak(body.input, speaker, **kwargs)
-        return iter([_stretch(clip.pcm, body.speed)])
-    return model.speak_stream(body.input, speaker, **kwargs)
-
-
 def _stretch(pcm: np.ndarray, speed: float) -> np.ndarray:
     """Faster/slower with the pitch kept: librosa's phase-vocoder time stretch."""
     import librosa
@@ -133,72 +153,59 @@ def _stretch(pcm: np.ndarray, speed: float) -> np.ndarray:
     )
 
 
-async def _encoded(chunks: Any, encoder: StreamEncoder, admission: Any) -> AsyncIterator[bytes]:
-    """Encoded pieces as the worker thread produces PCM; leaving early stops the thread."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for pcm in iter(chunks):
-                if stop.is_set():
-                    break
-                piece = encoder.push(pcm)
-                asyncio.run_coroutine_threadsafe(queue.put(piece), loop).result()
-            if not stop.is_set():
-                asyncio.run_coroutine_threadsafe(queue.put(encoder.close()), loop).result()
-        except BaseException as e:  # noqa: BLE001 - handed to the response side
-            if not stop.is_set():
-                asyncio.run_coroutine_threadsafe(queue.put(e), loop).result()
-        finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()
-            if not stop.is_set():
-                asyncio.run_coroutine_threadsafe(queue.put(_DONE), loop).result()
-
-    worker = loop.run_in_executor(None, produce)
-    try:
-        while True:
-            item = await queue.get()
-            if item is _DONE:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            if item:
-                yield item
-    finally:
-        stop.set()
-        while not queue.empty():  # unblock a producer waiting on a full queue
-            queue.get_nowait()
-        admission.release()
-        try:
-            await asyncio.wait_for(asyncio.shield(worker), timeout=30)
-        except (TimeoutError, Exception):  # noqa: BLE001 - the client is gone; nothing to report to
-            pass
+async def _joined(chunks: AsyncIterator[np.ndarray]) -> np.ndarray:
+    return np.concatenate([c async for c in chunks] or [np.zeros(0, np.float32)])
 
 
-class _Counted:
-    """Passes PCM chunks through, counting samples (for usage: codec frames generated)."""
+async def _stretched(chunks: AsyncIterator[np.ndarray], speed: float) -> AsyncIterator[np.ndarray]:
+    yield await asyncio.to_thread(_stretch, await _joined(chunks), speed)
 
-    def __init__(self, chunks: Iterator[np.ndarray]):
+
+async def _encoded(chunks: AsyncIterator[np.ndarray], encoder: StreamEncoder) -> AsyncIterator[bytes]:
+    """Encoded pieces as PCM comes (encoding off the loop, except raw PCM)."""
+    async for pcm in chunks:
+        piece = encoder.push(pcm) if encoder.fmt == "pcm" else await asyncio.to_thread(encoder.push, pcm)
+        if piece:
+            yield piece
+    tail = await asyncio.to_thread(encoder.close)
+    if tail:
+        yield tail
+
+
+class _Timed:
+    """The PCM stream of one request: counts samples (usage), observes the time to first
+    audio, and gives the admission slot back however the stream ends."""
+
+    def __init__(self, chunks: Any, admission: Any, service: Service, model: str, started: float):
         self.chunks = chunks
+        self.admission = admission
+        self.metrics = service.metrics
+        self.model = model
+        self.started = started
         self.samples = 0
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        for pcm in self.chunks:
-            self.samples += len(pcm)
-            yield pcm
+    def __aiter__(self) -> AsyncIterator[np.ndarray]:
+        return self._iterate()
 
-    def close(self) -> None:
-        close = getattr(self.chunks, "close", None)
-        if close is not None:
-            close()
+    async def _iterate(self) -> AsyncIterator[np.ndarray]:
+        try:
+            async for pcm in self.chunks:
+                if self.samples == 0 and len(pcm):
+                    self.metrics.speech_ttfa.labels(self.model).observe(time.perf_counter() - self.started)
+                self.samples += len(pcm)
+                yield pcm
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        try:
+            await self.chunks.aclose()
+        finally:
+            self.admission.release()
 
 
 async def _sse(
-    pieces: AsyncIterator[bytes], input_tokens: int, counted: _Counted, model: Any
+    pieces: AsyncIterator[bytes], input_tokens: int, counted: _Timed, model: Any
 ) -> AsyncIterator[str]:
     try:
         async for piece in pieces:
