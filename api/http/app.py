@@ -80,7 +80,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     registry = ModelRegistry()
 
     def index(sqlite_path: Any) -> Any:  # SQLite beside the store, or the shared database
-        return open_index(settings.state_db, sqlite_path)
+        return open_index(settings.state_db, sqlite_path, shared=settings.shared_state)
 
     store = MediaStore(settings.media_dir, index=index(settings.media_dir / "media.sqlite3"))
     limits = DEFAULT_LIMITS

@@ -82,8 +82,10 @@ class SqliteIndex:
     for_update = ""
     skip_locked = ""  # BEGIN IMMEDIATE already holds the whole file's write lock
 
-    def __init__(self, path: str | Path, *, timeout_s: float = 30.0):
+    def __init__(self, path: str | Path, *, timeout_s: float = 30.0, shared: bool = False):
         self.path = Path(path)
+        self.shared = shared
+        """True when replicas on this machine share the file (claims then wait for leases)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = sqlite3.connect(
@@ -149,14 +151,14 @@ class SqliteIndex:
                 conn.close()
 
 
-def open_index(state_db: str | None, sqlite_path: Path) -> IndexDB:
+def open_index(state_db: str | None, sqlite_path: Path, *, shared: bool = False) -> IndexDB:
     """The index a store uses: PostgreSQL when ``state_db`` names one, else SQLite at
-    ``sqlite_path``."""
+    ``sqlite_path`` (``shared``: by several processes of this machine)."""
     if state_db:
         from api.http.index_postgres import PostgresIndex
 
         return PostgresIndex(state_db)
-    return SqliteIndex(sqlite_path)
+    return SqliteIndex(sqlite_path, shared=shared)
 
 
 def fill_words(schema: str, words: dict[str, str]) -> str:
