@@ -10,6 +10,7 @@ import hostile
 import media_qa
 import search
 import session
+import speculative
 import tour
 import tts
 from pie_sdk import Context, inferlet, now
@@ -42,6 +43,7 @@ EXAMPLES = {
     "save-prefix": session.save_prefix,
     "continue": session.resume,
     "forget": session.forget,
+    "speculative": speculative.speculative,
     **hostile.CASES,
 }
 

@@ -1,4 +1,4 @@
-"""``context``: create, fill, turns, cue, flush, generate, decode step, fork, save/open,
+"""``context``: create, fill, turns, cue, flush, generate, decode step, verify draft, fork, save/open,
 truncate, drop. Every call runs on the event loop (see ``state``)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from engine import Context, Model, Sampler, stopping
+from engine.drafting import MAX_DRAFT
 from inferlets.host.errors import InferletLimitError
 from inferlets.host.iface_media import MediaItem
 from inferlets.host.state import RunState
@@ -41,6 +42,7 @@ class ContextCalls:
         "generate-all": ("generate_all", False, True),
         "decode-step": ("decode_step", True, True),
         "decode-step-all": ("decode_step_all", False, True),
+        "verify-draft": ("verify_draft", False, True),
         "fork": ("fork", False, True),
         "save": ("save", False, True),
         "open": ("open", False, True),
@@ -159,6 +161,21 @@ class ContextCalls:
             return await asyncio.gather(*(c.decode_step_dist(top_n=top_k) for c in ctxs))
 
         return [record(ids=d.ids.tolist(), probs=d.probs.tolist()) for d in self.run.wait_for(go())]
+
+    def verify_draft(self, h: int, draft: list[int], sampler: Any) -> list[int]:
+        ctx = self._ctx(h)
+        if len(draft) > MAX_DRAFT:
+            raise InferletLimitError(
+                f"a draft holds at most {MAX_DRAFT} tokens, got {len(draft)}", limit=MAX_DRAFT
+            )
+        s, seed = sampler_of(sampler)
+
+        async def go() -> list[int]:
+            if seed is not None:
+                ctx.reseed(seed)
+            return await ctx.verify_draft(draft, s)
+
+        return self.run.wait_for(go())
 
     def fork(self, h: int) -> int:
         return self.run.handles.add("context", self.run.on_loop(self._ctx(h).fork))

@@ -260,6 +260,52 @@ class Distribution:
         return iter(zip(self.ids, self.probs, strict=True))
 
 
+def _first_stop(text, stops):
+    hits = [text.find(x) for x in stops if x and x in text]
+    return min(hits) if hits else None
+
+
+class Drafter:
+    """Speculative decoding's guesser (Pie's ``Drafter`` trait): ``update(accepted)`` hears
+    the tokens that joined the context (the whole history first, then each step's),
+    ``draft()`` proposes the tokens expected next. Subclass it; use it with
+    ``Context.generate_with_drafter``."""
+
+    def update(self, accepted):
+        pass
+
+    def draft(self):
+        return []
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup in the guest: the latest earlier occurrence of the last ``n`` tokens
+    (``max_ngram`` down to 1) proposes the ``num_draft`` tokens that followed it."""
+
+    def __init__(self, max_ngram=3, num_draft=4):
+        self.max_ngram, self.num_draft = max_ngram, num_draft
+        self.tokens = []
+        self.follow = {}
+
+    def update(self, accepted):
+        for t in accepted:
+            at = len(self.tokens)
+            for n in range(1, min(self.max_ngram, at) + 1):
+                self.follow[tuple(self.tokens[at - n : at])] = at
+            self.tokens.append(int(t))
+
+    def draft(self):
+        toks = self.tokens
+        for n in range(min(self.max_ngram, len(toks)), 0, -1):
+            at = self.follow.get(tuple(toks[-n:]))
+            if at is not None:
+                out = toks[at : at + self.num_draft]
+                while len(out) < self.num_draft:
+                    out.append(out[len(out) - (len(toks) - at)])
+                return out
+        return []
+
+
 class Context:
     """A context on the host's model; ``handle`` is this run's table index."""
 
@@ -326,6 +372,51 @@ class Context:
     def decode_step(self, top_k=20):
         """The next token's distribution (top-k ids and probabilities); nothing appended."""
         return Distribution(_call(_ctx.decode_step, self.handle, int(top_k)))
+
+    def verify_draft(self, draft, sampler=None):
+        """One speculative step: the host checks ``draft`` (up to 32 ids) in one pass and
+        appends the longest prefix the sampler agrees with plus one more token; returns
+        those tokens. A seeded sampler reseeds first (give the seed once)."""
+        s = (sampler or Sampler.greedy())._wit()
+        return list(_call(_ctx.verify_draft, self.handle, [int(t) for t in draft], s))
+
+    def generate_with_drafter(self, drafter, max_tokens=64, sampler=None, stop=(), eos=True):
+        """``generate_full`` with speculative decoding: each step verifies what ``drafter``
+        (a ``Drafter``) proposes. Same tokens and text as ``generate_full`` (greedy, or the
+        same seed); stops at ``max_tokens``, any of ``stop`` or the model's EOS tokens, and
+        tokens a step gave past the stop are taken back out of the context."""
+        info = _call(_models.get, self.model)
+        eos_ids = set(info.eos_tokens) if eos else set()
+        drafter.update(self.token_ids)
+        out, text, reason = [], "", "length"
+        first = True
+        while len(out) < max_tokens:
+            s = sampler
+            if sampler is not None and sampler.seed is not None and not first:
+                s = Sampler(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p)
+            first = False
+            draft = list(drafter.draft())[: max(0, min(32, max_tokens - len(out) - 1))]
+            got = self.verify_draft(draft, s)
+            taken = 0
+            for t in got:
+                out.append(t)
+                taken += 1
+                text = detokenize(out, self.model)
+                hit = _first_stop(text, stop)
+                if hit is not None:
+                    text, reason = text[:hit], "stop_string"
+                    break
+                if t in eos_ids:
+                    reason = "eos"
+                    break
+                if len(out) >= max_tokens:
+                    break
+            if taken < len(got):
+                self.truncate(len(self) - (len(got) - taken))
+            drafter.update(got[:taken])
+            if reason != "length":
+                break
+        return Generation(_t.Generation(text, out, reason))
 
     @staticmethod
     def generate_all(contexts, max_tokens=64, samplers=None, stop=(), eos=True):
