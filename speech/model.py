@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from contextlib import aclosing
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -418,8 +419,9 @@ class SpeechModel:
     async def frames_async(self, job: SpeechJob) -> AsyncIterator[list[int]]:
         """The frames of an admitted ``job`` (``speech.frames``)."""
         self.stats.requests += 1
-        async for codes in run_frames(self, job):
-            yield codes
+        async with aclosing(run_frames(self, job)) as frames:  # closing this closes that: pages back
+            async for codes in frames:
+                yield codes
 
     @torch.no_grad()
     def decode(self, codes: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -546,10 +548,10 @@ class SpeechModel:
         self, job: SpeechJob, chunk_frames: int, context_frames: int
     ) -> AsyncIterator[np.ndarray]:
         ticket = self.admit(job)  # blocking callers run on their own thread: waiting is fine
-        async for pcm in self.stream_async(
-            job, ticket, chunk_frames=chunk_frames, context_frames=context_frames
-        ):
-            yield pcm
+        stream = self.stream_async(job, ticket, chunk_frames=chunk_frames, context_frames=context_frames)
+        async with aclosing(stream):  # closing this closes that: pages back
+            async for pcm in stream:
+                yield pcm
 
     def _chunk(self, codes: list[list[int]], done: int, context_frames: int) -> np.ndarray:
         start = max(0, done - context_frames)
