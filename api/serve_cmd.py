@@ -174,5 +174,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
         run(settings, address=args.ray or None, replicas=replicas, log_level=args.log_level)
         return 0
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
+    from media.errors import PieMediaError
+
+    try:
+        app = create_app(settings)
+    except PieMediaError as e:  # e.g. the state database cannot be reached
+        print(f"pie-media serve: {e.message}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
