@@ -1,5 +1,6 @@
-"""``speech``: CSM text-to-speech, whole clips or a stream of PCM chunks. Speech runs on
-the run's worker thread (the speech model has its own lock and no paged pool)."""
+"""``speech``: CSM text-to-speech, whole clips or a stream of PCM chunks, through the speech
+model's blocking calls on the run's worker thread: the same engine path (pages, scheduler,
+admission; a full model makes the call wait for a slot) as the HTTP endpoint and the CLI."""
 
 from __future__ import annotations
 
