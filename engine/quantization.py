@@ -175,12 +175,14 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         w = linear.weight.detach()
         super().__init__(linear.in_features, linear.out_features, linear.bias, w.device)
         wf = w.float()
-        scales = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        q = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         if w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16):
             self.compute_dtype = w.dtype
+        # The scales are rounded to the kernel's dtype first and the codes computed from the
+        # rounded ones, so the kernel's weight is the nearest int8 multiple of its own scale.
+        scales = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(self.compute_dtype)
+        q = torch.round(wf / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scales", scales.to(self.compute_dtype))
+        self.register_buffer("scales", scales)
         self.kernel = w.device.type if w.device.type in ("cpu", "cuda") else "dequant"
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -290,7 +292,9 @@ class Fp8BlockLinear(QuantizedLinear):
         self.compute_dtype = compute_dtype
         self.register_buffer("weight", weight.to(torch.float8_e4m3fn).contiguous())
         self.register_buffer("weight_scale_inv", weight_scale_inv.to(torch.float32).contiguous())
-        self.kernel = "cuda" if weight.device.type == "cuda" and block == FP8_BLOCK else "dequant"
+        fits = block == FP8_BLOCK and n % block[0] == 0 and k % block[1] == 0
+        self.kernel = "cuda" if weight.device.type == "cuda" and fits else "dequant"
+        self._mm_scale: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, block: tuple[int, int] = FP8_BLOCK) -> Fp8BlockLinear:
@@ -302,17 +306,28 @@ class Fp8BlockLinear(QuantizedLinear):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
-    def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def scaled_mm_args(self, x: torch.Tensor) -> tuple[Any, ...]:
+        """``F.scaled_mm``'s operands for 1x128 activation blocks by 128x128 weight blocks:
+        activation scales (rows, k/128) column-major; weight scales (round_up(k/128, 4),
+        n/128) with stride (1, that padded count), as torch's blockwise recipe asks."""
+        if self._mm_scale is None or self._mm_scale.device != self.weight.device:
+            kb, nb = self.in_features // 128, self.out_features // 128
+            l4 = -(-kb // 4) * 4
+            padded = torch.ones(nb, l4, dtype=torch.float32, device=self.weight.device)
+            padded[:, :kb] = self.weight_scale_inv
+            self._mm_scale = padded.t()
         xq, xs = quantize_fp8_rows(x, self.block[1])
-        return F.scaled_mm(
+        return (
             xq,
             self.weight.t(),
             xs,
             F.ScalingType.BlockWise1x128,
-            self.weight_scale_inv.t(),
+            self._mm_scale,
             F.ScalingType.BlockWise128x128,
-            output_dtype=self.compute_dtype,
         )
+
+    def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.scaled_mm(*self.scaled_mm_args(x), output_dtype=self.compute_dtype)
 
 
 # -- block-wise fp8 arithmetic (shared with engine.fp8_checkpoint and the fixture) -------------
