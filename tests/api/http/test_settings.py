@@ -12,10 +12,18 @@ from api.http.settings import ServeSettings
 
 def test_auto_dtype_follows_the_device() -> None:
     cpu = ServeSettings(device="cpu").model_load_options()
-    assert cpu == {"device": "cpu", "dtype": torch.float32, "attention": "auto"}
+    assert cpu == {"device": "cpu", "dtype": torch.float32, "attention": "auto", "max_speech_streams": 16}
     cuda = ServeSettings(device="cuda:1", attention="flashinfer").model_load_options()
     assert cuda["dtype"] is torch.bfloat16 and cuda["device"] == "cuda:1"
     assert ServeSettings().model_load_options()["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_speech_streams_reach_speech_models_only() -> None:
+    from api.model_ref import load_model
+
+    opts = ServeSettings(device="cpu", max_speech_streams=3).model_load_options()
+    assert load_model("tiny-csm", **opts).capacity.max_streams == 3
+    assert load_model("tiny", **opts).name == "tiny-qwen3-vl"  # Model.load never sees the option
 
 
 def test_explicit_options_pass_through() -> None:
