@@ -86,7 +86,7 @@ function bubble(role, text, names = []) {
   log.querySelector(".empty")?.remove();
   const body = el("div", { class: "text", text });
   const node = el("div", { class: `msg ${role}` }, el("div", { class: "who", text: role }));
-  if (names.length) node.append(el("div", { class: "facts", text: `📎 ${names.join(", ")}` }));
+  if (names.length) node.append(el("div", { class: "facts", text: `attached: ${names.join(", ")}` }));
   node.append(body);
   log.append(node);
   log.scrollTop = log.scrollHeight;

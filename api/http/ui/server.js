@@ -57,12 +57,13 @@ function sparkline(points, series) {
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
   svg.setAttribute("class", "spark");
+  svg.setAttribute("preserveAspectRatio", "none"); // the newest sample at the right edge
   svg.setAttribute("role", "img");
   for (const s of series) {
     const xy = points
       .map((p, i) => [p.values[s.key], i])
       .filter(([v]) => v != null)
-      .map(([v, i]) => `${((i / Math.max(1, KEEP - 1)) * w).toFixed(1)},${(h - 2 - (v / max) * (h - 4)).toFixed(1)}`);
+      .map(([v, i]) => `${(((KEEP - points.length + i) / (KEEP - 1)) * w).toFixed(1)},${(h - 2 - (v / max) * (h - 4)).toFixed(1)}`);
     const line = document.createElementNS(SVG, "polyline");
     line.setAttribute("points", xy.join(" "));
     line.setAttribute("class", s.cls);

@@ -263,6 +263,7 @@ def test_every_panel_fits_a_phone_and_tabs_take_the_keyboard(page) -> None:
             page.keyboard.press("ArrowRight")
             assert page.evaluate("document.activeElement.id") == f"tab-{name}"
             assert page.is_visible(f"#panel-{name}")
+            assert page.locator(".panel:visible").count() == 1  # one panel at a time
             width = page.evaluate("document.documentElement.scrollWidth")
             assert width <= PHONE["width"], (name, width)
     finally:
