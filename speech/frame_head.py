@@ -89,6 +89,8 @@ class FrameHead:
         self.num_codebooks = int(hf.config.num_codebooks)
         self.frames = 0
         """Frames made so far (all streams)."""
+        self.graphs: Any = None
+        """A ``speech.depth_graphs.DepthGraphs``: depth steps of the passes it takes run there."""
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, requests: Sequence[FrameRequest]) -> list[FrameResult]:
@@ -102,15 +104,20 @@ class FrameHead:
         cache = DynamicCache(config=hf.depth_decoder.config)
         step_ids = torch.stack([torch.zeros_like(first), first], dim=-1)
         frame = [first]
+        graphs = self.graphs if self.graphs is not None and self.graphs.takes(len(requests)) else None
         for i in range(self.num_codebooks - 1):
-            out = hf.depth_decoder(
-                input_ids=step_ids,
-                backbone_last_hidden_state=hidden if i == 0 else None,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            code = pick_rows(out.logits[:, -1, :], self.suppress, depth_levels, gens)
+            if graphs is not None:
+                logits = graphs.step(i, frame[-1], hidden if i == 0 else None)
+            else:
+                out = hf.depth_decoder(
+                    input_ids=step_ids,
+                    backbone_last_hidden_state=hidden if i == 0 else None,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                logits = out.logits[:, -1, :]
+            code = pick_rows(logits, self.suppress, depth_levels, gens)
             frame.append(code)
             step_ids = code[:, None]
         codes = torch.stack(frame, dim=-1)  # (B, num_codebooks)

@@ -190,17 +190,22 @@ class SpeechModel:
         page_size: int = 32,
         max_streams: int = DEFAULT_MAX_STREAMS,
         attention: str = "auto",
+        cuda_graphs: int = 0,
         **_ignored: Any,
     ) -> SpeechModel:
         """Load the CSM checkpoint directory ``path`` (typed ``ModelLoadError``s from the engine's
         checkpoint loader; ``NoSpeechHeadError`` for a checkpoint of another architecture).
         device: default CUDA when available, else CPU. kv_pages / kv_memory: the backbone's page
         pool (default 256 MiB on the CPU, a quarter of the free GPU memory on CUDA). max_streams:
-        requests generating at once. attention: as ``engine.Model.load``. Other keywords of
+        requests generating at once. attention: as ``engine.Model.load``. cuda_graphs: replay the
+        depth decoder's steps for passes of up to this many streams from CUDA graphs
+        (``speech.depth_graphs``; 0, the default: off; CUDA only). Other keywords of
         ``Model.load`` (a served model's load options) are accepted and ignored."""
         import transformers
 
         check_attention_choice(attention)
+        if cuda_graphs < 0:
+            raise InvalidRequestError(f"cuda_graphs must be >= 0 (0: off), got {cuda_graphs}")
         path = resolve_checkpoint(path)
         config = read_config(path)
         arch = architecture_name(config)
@@ -212,6 +217,8 @@ class SpeechModel:
             )
         check_weights(path)
         dev = torch.device(device) if device is not None else default_device()
+        if cuda_graphs and dev.type != "cuda":
+            raise InvalidRequestError(f"cuda_graphs needs a CUDA device; this model is on {dev}")
         backend = select_backend(attention, device=dev, dtype=dtype)
         hf = load_pretrained(path, CSM_ARCHITECTURE, dtype=dtype)
         processor = load_part(path, "CSM processor", transformers.AutoProcessor.from_pretrained)
@@ -223,7 +230,7 @@ class SpeechModel:
             budget = kv_memory if kv_memory is not None else _default_kv_bytes(dev)
             kv_pages = max(1, budget // bytes_per_page(layouts, page_size, dtype))
         pool = KVPool(layouts, num_pages=int(kv_pages), page_size=page_size, dtype=dtype, device=dev)
-        return cls(
+        model = cls(
             path=path,
             config=config,
             hf=hf,
@@ -233,6 +240,12 @@ class SpeechModel:
             attention=backend,
             max_streams=max_streams,
         )
+        if cuda_graphs:
+            from speech.depth_graphs import DepthGraphs
+
+            model.head.graphs = DepthGraphs(hf, cuda_graphs, capture=True)
+            model.head.graphs.warm()  # every step of every bucket captured before the first request
+        return model
 
     @property
     def name(self) -> str:
