@@ -1,32 +1,34 @@
 #!/usr/bin/env bash
 # One command on the GPU machine: install the carried wheels, compile flashinfer's kernels,
-# run the CUDA tests (flashinfer vs torch backend, bf16 and fp16), the GPU benchmark, then a
-# profile of one decode pass at concurrency 32 (bench/gpu/profile_decode.py).
+# run the CUDA tests (flashinfer vs torch backend, bf16 and fp16), the GPU benchmark, a
+# profile of one decode pass at concurrency 32 (bench/gpu/profile_decode.py), then the speech
+# figures (bench/speech.py: 1 and 8 concurrent voices, batched vs serial vs transformers, on
+# the tiny CSM and the wide one; OUT_DIR/speech_gpu*.json).
 # Every step's outcome and time go to OUT_DIR/gpu_check.json (the run goes on past a failed
 # step where it can); the benchmark writes OUT_DIR/gpu_bench.json and prints its table.
-#   bench/gpu/check.sh [--dry-run] [--only tests,bench,profile] [OUT_DIR]
+#   bench/gpu/check.sh [--dry-run] [--only tests,bench,profile,speech] [OUT_DIR]
 #                                                  (default OUT_DIR: bench/results)
 # On the device tool:  run(command="bash bench/gpu/check.sh $OUT", carry=[".cache/gpu-wheels"])
 # A device command may run 10 minutes at most. Each GPU step has its own time limit
-# (GPU_TESTS_S, GPU_BENCH_S, GPU_PROFILE_S seconds; a step past it is recorded as failed and
+# (GPU_TESTS_S, GPU_BENCH_S, GPU_PROFILE_S, GPU_SPEECH_S seconds; a step past it is recorded as failed and
 # the run goes on), and --only runs a part: on a warm machine the compiled kernels stay in
-# .cache/flashinfer-jit, so `--only tests` then `--only bench,profile` split the work in two.
+# .cache/flashinfer-jit, so `--only tests` then `--only bench,profile,speech` split the work in two.
 # --dry-run (runs anywhere): checks the scripts parse, the wheels, that the project imports
 # and the CUDA tests collect, and runs the benchmark's CPU smoke mode; then stops where a GPU
 # is needed, and says so.
 set -uo pipefail
 DRY=0
-ONLY="tests,bench,profile"
+ONLY="tests,bench,profile,speech"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
-    --only) ONLY="${2:?--only needs a list: tests,bench,profile}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a list: tests,bench,profile,speech}"; shift 2 ;;
     *) break ;;
   esac
 done
 wants() { case ",$ONLY," in *",$1,"*) return 0 ;; esac; return 1; }
 for part in ${ONLY//,/ }; do
-  case "$part" in tests|bench|profile) ;; *) echo "unknown part '$part' (tests, bench, profile)" >&2; exit 2 ;; esac
+  case "$part" in tests|bench|profile|speech) ;; *) echo "unknown part '$part' (tests, bench, profile, speech)" >&2; exit 2 ;; esac
 done
 OUT_DIR="${1:-bench/results}"
 WHEELS="${GPU_WHEELS:-.cache/gpu-wheels}"
@@ -60,7 +62,7 @@ PY
   rm -f "$STEPS"
 }
 
-run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/profile_decode.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py" || { finish broken; exit 2; }
+run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/profile_decode.py bench/speech.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py bench/quant.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py tests/speech/test_depth_graphs.py" || { finish broken; exit 2; }
 
 check_wheels() {
   if ! ls "$WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
@@ -105,15 +107,18 @@ if torch.cuda.is_available():
 PY
 }
 run_step "project imports (versions as found)" imports || { finish broken; exit 2; }
-run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py | tail -3"
+run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py | tail -3"
 
 if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   RUN_AS_THERE=("$PY")
   [ "$DRY" = 1 ] && RUN_AS_THERE=("$PY" -m bench.gpu.gpu_image)
   run_step "CPU parts of the CUDA test files, as the GPU image imports them" bash -o pipefail -c \
-    "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py 2>&1 | tail -3"
+    "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py 2>&1 | tail -3"
   run_step "GPU bench smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
+  run_step "quantized weight layers smoke (CPU)" "${RUN_AS_THERE[@]}" bench/quant.py --layers-only --device cpu
   run_step "decode profile smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/profile_decode.py --smoke --out "$OUT_DIR"
+  run_step "speech concurrency smoke (CPU, tiny CSM)" "${RUN_AS_THERE[@]}" bench/speech.py --concurrency 1,2 \
+    --frames 2 --no-http --no-single --out "$OUT_DIR/speech_smoke.json"
   echo "STOP: a CUDA GPU is needed from here on (CUDA tests, JIT compile, GPU benchmark)"
   finish dry-run
   exit 0
@@ -126,15 +131,20 @@ mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 TESTS_S="${GPU_TESTS_S:-300}"
 BENCH_S="${GPU_BENCH_S:-300}"
 PROFILE_S="${GPU_PROFILE_S:-150}"
+SPEECH_S="${GPU_SPEECH_S:-240}"
 CKPT="${GPU_CHECKPOINT_DIR:-$PWD/.cache/gpu-ckpt}"  # the random 2B checkpoint, built once
 if wants tests; then
   run_step "flashinfer JIT compile + backend tests (compile time included)" timeout "$TESTS_S" bash -o pipefail -c \
     "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_attention_flashinfer.py -x 2>&1 | tail -15"
   run_step "CUDA test suite (flashinfer vs torch, bf16/fp16)" timeout "$TESTS_S" bash -o pipefail -c \
-    "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
+    "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/speech/test_speech_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
 fi
 if wants bench; then
   run_step "GPU benchmark" timeout "$BENCH_S" "$PY" bench/gpu/bench.py --checkpoint-dir "$CKPT" --out "$OUT_DIR/gpu_bench.json"
+  # fp8 / int8 / int4 weight layers at the 2B shapes beside bfloat16 (the kernel each picked,
+  # ms at 1 and 256 rows, error): the first CUDA run of engine.quantization's kernels.
+  run_step "quantized weight layers (CUDA: fp8 scaled_mm, int8/int4 pack kernels)" timeout 120 \
+    "$PY" bench/quant.py --layers-only --json "$OUT_DIR/quant_layers_cuda.json"
 fi
 if wants profile; then
   # Where a decode pass's time goes at concurrency 32 (host-bound or GPU-bound: whether
@@ -142,5 +152,14 @@ if wants profile; then
   run_step "decode profile c=32 (flashinfer)" timeout "$PROFILE_S" "$PY" bench/gpu/profile_decode.py --checkpoint-dir "$CKPT" --out "$OUT_DIR"
   run_step "decode profile c=32 (flashinfer, CUDA graphs)" timeout "$PROFILE_S" \
     "$PY" bench/gpu/profile_decode.py --cuda-graphs 64 --checkpoint-dir "$CKPT" --out "$OUT_DIR"
+fi
+if wants speech; then
+  # Speech on the engine: 1 and 8 voices at once, ours batched vs serial vs transformers
+  # generate, tiny CSM and the wide one (backbone hidden 512); then the depth decoder's steps
+  # from CUDA graphs (SpeechModel.load(cuda_graphs=16)).
+  run_step "speech concurrency 1,8 (CUDA)" timeout "$SPEECH_S" "$PY" bench/speech.py --concurrency 1,8 \
+    --frames 25 --no-http --wide --out "$OUT_DIR/speech_gpu.json"
+  run_step "speech concurrency 1,8 (CUDA, depth CUDA graphs)" timeout "$SPEECH_S" "$PY" bench/speech.py \
+    --concurrency 1,8 --frames 25 --no-http --no-single --wide --cuda-graphs 16 --out "$OUT_DIR/speech_gpu_graphs.json"
 fi
 finish done
