@@ -526,7 +526,17 @@ def quantize_at_load(
         half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
         n = keep_fp8_layers(hf, path, config, half)
         log.info("fp8 checkpoint: %d layers kept in fp8", n)
+        check_kernels(hf)
         return "fp8"
     assert method is not None
     quantize_language_model(hf, language_model, method, device=device)
+    check_kernels(hf)
     return method
+
+
+def check_kernels(hf: torch.nn.Module) -> None:
+    """Run every CUDA layer's first-call kernel check now, on one dummy row, so that no
+    check (which reads a result back to the host) happens inside a CUDA-graph capture."""
+    for mod in hf.modules():
+        if isinstance(mod, QuantizedLinear) and not mod._checked:
+            mod(torch.zeros(1, mod.in_features, device=mod.device, dtype=mod.compute_dtype).normal_())
