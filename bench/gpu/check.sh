@@ -107,7 +107,7 @@ if torch.cuda.is_available():
 PY
 }
 run_step "project imports (versions as found)" imports || { finish broken; exit 2; }
-run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py | tail -3"
+run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py | tail -6"
 
 if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   RUN_AS_THERE=("$PY")
