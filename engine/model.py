@@ -38,9 +38,9 @@ from engine.checkpoint import (
 from engine.errors import InvalidRequestError
 from engine.forward import ForwardRunner
 from engine.kv_pool import KVPool, PoolStats, bytes_per_page
+from engine.load_quantization import check_quantization, quantize_at_load
 from engine.lora import Adapter, load_adapter
 from engine.metrics import EngineCounters, MetricsSnapshot
-from engine.quantization import check_quantization, quantize_at_load
 from engine.saved import SavedContexts
 from engine.scheduler import Scheduler
 

@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from contextlib import aclosing
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

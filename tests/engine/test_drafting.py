@@ -315,7 +315,7 @@ def test_verify_draft_returns_the_accepted_prefix_plus_the_next_token(qwen, gemm
         plain, _ = _gen(model, COPY, max_tokens=12)
         truth = plain.tokens
 
-        async def run():
+        async def run(model=model, truth=truth):
             ctx = Context(model)
             ctx.user(COPY)
             ctx.cue()

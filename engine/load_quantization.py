@@ -1,0 +1,61 @@
+"""Model.load's quantization steps: check the method before any weight loads, then turn
+the placed weights into what was asked (``engine.quantization`` layers, or an FP8
+checkpoint's own fp8 values through ``engine.fp8_checkpoint``). Kept apart from both so
+that neither imports the other back: the layers and their arithmetic are below the FP8
+file reader, and this file is above both.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.fp8_checkpoint import fp8_config, keep_fp8_layers
+from engine.quantization import check_kernels, check_method, quantize_language_model
+
+log = logging.getLogger(__name__)
+
+
+def check_quantization(method: str | None, config: dict[str, Any], device: torch.device) -> None:
+    """Before any weight loads: ``check_method``, except that "fp8" is what an FP8
+    checkpoint already is (on the CPU it then loads dequantized)."""
+    if method is None or (method == "fp8" and fp8_config(config) is not None):
+        return
+    check_method(method, device)
+
+
+def quantize_at_load(
+    hf: Any,
+    language_model: torch.nn.Module,
+    path: Any,
+    config: dict[str, Any],
+    method: str | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> str | None:
+    """``Model.load``'s one step after placement: what the model's weights end up as.
+
+    None with a float checkpoint: nothing. A checkpoint carrying an fp8
+    ``quantization_config`` (already dequantized by the loader) with no method or "fp8":
+    on CUDA its layers go back to the file's fp8 values ("fp8"), on the CPU they stay
+    dequantized ("fp8-dequantized"). "int8" / "int4": the language model (and head) are
+    quantized from whatever was loaded."""
+    from_fp8 = fp8_config(config) is not None
+    if method is None and not from_fp8:
+        return None
+    if from_fp8 and method in (None, "fp8"):
+        if device.type != "cuda":
+            log.info("fp8 checkpoint on %s: weights dequantized to %s", device.type, dtype)
+            return "fp8-dequantized"
+        half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        n = keep_fp8_layers(hf, path, config, half)
+        log.info("fp8 checkpoint: %d layers kept in fp8", n)
+        check_kernels(hf)
+        return "fp8"
+    assert method is not None
+    quantize_language_model(hf, language_model, method, device=device)
+    check_kernels(hf)
+    return method
