@@ -5,9 +5,10 @@ Knows nothing about HTTP or WASM. Import what you need from here::
     from engine import Model, Context, Sampler, max_tokens, eos
 """
 
+from engine import conveniences  # noqa: F401 - attaches model.embed, ctx.snapshot, ... (see its doc)
 from engine.architectures import Architecture, TextInputs
-from engine.attention import check_attention_choice, select_backend
 from engine.attention import register as register_attention
+from engine.attention_select import check_attention_choice, select_backend
 from engine.beam import Hypothesis, beam_search
 from engine.caption import caption, caption_async, caption_many, caption_many_async
 from engine.checkpoint import (

@@ -35,7 +35,7 @@ Backends plug in through ``AttentionBackend`` (``write`` this step's K/V, ``atte
   imported lazily (only to serve a CUDA device), and flashinfer never on a machine
   without CUDA.
 
-Choosing one (``select_backend``, here): ``Model.load(attention="auto")`` picks flashinfer
+Choosing one (``engine.attention_select.select_backend``): ``Model.load(attention="auto")`` picks flashinfer
 when the device is CUDA, the dtype is float16/bfloat16 and flashinfer imports, else torch;
 ``"torch"`` and ``"flashinfer"`` force one (the latter raises
 ``AttentionBackendUnavailableError`` saying why it cannot run). ``Model.attention_backend``
@@ -52,12 +52,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from engine.errors import AttentionBackendUnavailableError, InvalidRequestError
 from engine.kv_pool import KVPool
 from engine.masks import causal_mask, sequence_causal_mask
 
 ATTN_IMPLEMENTATION = "pie_paged"
-ATTENTION_CHOICES = ("auto", "torch", "flashinfer")
 
 log = logging.getLogger(__name__)
 
@@ -312,52 +310,6 @@ def paged_attention_forward(
         pie_batch, layer, query, scaling=scaling, sliding_window=sliding_window, softcap=softcap
     )
     return out.transpose(1, 2).contiguous(), None
-
-
-# -- choosing a backend ---------------------------------------------------------------------
-def check_attention_choice(attention: str) -> None:
-    """``InvalidRequestError`` unless ``attention`` names a backend choice."""
-    if attention not in ATTENTION_CHOICES:
-        raise InvalidRequestError(
-            f"unknown attention backend {attention!r}; expected one of {', '.join(ATTENTION_CHOICES)}",
-            attention=attention,
-        )
-
-
-def select_backend(attention: str, *, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The backend ``Model.load(attention=...)`` asked for.
-
-    ``"torch"``: the reference backend. ``"flashinfer"``: flashinfer, or
-    ``AttentionBackendUnavailableError`` saying why it cannot be used. ``"auto"``:
-    flashinfer when the device is CUDA, the dtype is float16/bfloat16 and flashinfer
-    imports; else torch (the reason is logged). ``engine.attention_flashinfer`` is imported
-    only for a CUDA device, and flashinfer itself only by its ``flashinfer_available``."""
-    check_attention_choice(attention)
-    if attention == "torch":
-        return TORCH_BACKEND
-    why_not = _flashinfer_unusable(device, dtype)
-    if why_not is None:
-        from engine.attention_flashinfer import FlashInferBackend
-
-        return FlashInferBackend(device)
-    if attention == "flashinfer":
-        raise AttentionBackendUnavailableError(why_not, backend="flashinfer")
-    log.info("attention backend: torch (%s)", why_not)
-    return TORCH_BACKEND
-
-
-def _flashinfer_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
-    if device.type != "cuda":
-        return f"flashinfer needs a CUDA device; this model is on {device}"
-    from engine import attention_flashinfer
-
-    if dtype not in attention_flashinfer.FLASHINFER_DTYPES:
-        return (
-            f"flashinfer's kernels take float16 or bfloat16; this model is {dtype} "
-            "(load it with dtype=torch.bfloat16 or torch.float16)"
-        )
-    ok, why = attention_flashinfer.flashinfer_available()
-    return None if ok else why
 
 
 def register() -> str:

@@ -1,6 +1,6 @@
 """The ``flashinfer`` attention backend (CUDA only).
 
-This module is imported lazily (``engine.attention.select_backend`` imports it only for a
+This module is imported lazily (``engine.attention_select.select_backend`` imports it only for a
 CUDA device), and flashinfer itself more lazily still: importing this module never
 imports it, and ``flashinfer_available`` checks ``torch.cuda.is_available()`` before
 trying to, so CPU machines and CI never touch it. Install it with the ``cuda`` extra

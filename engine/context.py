@@ -253,40 +253,6 @@ class Context:
         with self._guard():
             return await self._prefill("all" if return_logits else "hidden")
 
-    async def beam_search(
-        self,
-        width: int,
-        max_tokens: int,
-        *,
-        length_penalty: float = 1.0,
-        eos: Iterable[int] | None = None,
-        num_return: int = 1,
-    ) -> list[Any]:
-        """Beam search continuing this context (left unchanged): ``engine.beam.Hypothesis``
-        values, best first; beams are forks sharing pages (see ``engine.beam``)."""
-        from engine.beam import beam_search
-
-        return await beam_search(
-            self, width, max_tokens, length_penalty=length_penalty, eos=eos, num_return=num_return
-        )
-
-    def snapshot(self, *, include_kv: bool = False) -> bytes:
-        """Portable bytes of this context (rows, media spans, chat, sampling state, model
-        fingerprint; with ``include_kv`` also the committed rows' K/V, so a resume computes
-        nothing again): ``Context.resume(model, data)`` rebuilds it."""
-        from engine.snapshot import snapshot
-
-        self._check_open()
-        return snapshot(self, include_kv=include_kv)
-
-    @classmethod
-    def resume(cls, model: Model, data: bytes) -> Context:
-        """A context rebuilt from ``snapshot()`` bytes; its rows are pending (computed on the
-        next pass), so it continues greedy generation exactly as the original would."""
-        from engine.snapshot import resume
-
-        return resume(model, data)
-
     async def hidden_states(self) -> torch.Tensor:
         """Prefill every pending row and return their final hidden states ((rows, hidden)
         float32, after the model's final norm): what embeddings pool. Every pending row is

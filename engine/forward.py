@@ -24,7 +24,6 @@ from engine.lora import pass_adapters
 
 if TYPE_CHECKING:
     from encoders import Encoded, Prepared
-    from engine.decode_graphs import DecodeGraphs
 
 LogitsWanted = Literal["none", "last", "all", "hidden", "states", "last+hidden", "head"]
 """What a step wants back: nothing, the last row's logits, every row's logits, the last
@@ -34,6 +33,15 @@ prefill, whose hidden state the prefix cache keeps with its last page), or "head
 runner's ``BatchedHead`` makes of the last row's final hidden state (CSM's depth decoder),
 computed in one batch for every "head" step of the pass."""
 Encode = Callable[[list["Prepared"]], list["Encoded"]]
+
+
+class GraphReplay(Protocol):
+    """What the runner asks of ``engine.decode_graphs.DecodeGraphs`` (not imported: it
+    builds on this file)."""
+
+    def takes(self, steps: Sequence[StepInput]) -> bool: ...
+
+    def run(self, steps: Sequence[StepInput]) -> Sequence[torch.Tensor]: ...
 
 
 class BatchedHead(Protocol):
@@ -103,7 +111,7 @@ class ForwardRunner:
         self.batch_argmax = device.type == "cuda"
         """Compute every "last" step's argmax in one go per pass (``StepInput.argmax``): on
         CUDA it saves each greedy context a kernel launch and a synchronising read."""
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: GraphReplay | None = None
         """One-token decode passes replayed from CUDA graphs (``engine.decode_graphs``), or None."""
         self.head: BatchedHead | None = None
         """What "head" steps get back (``BatchedHead``); None: such steps are refused."""

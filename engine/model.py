@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.architectures import Architecture, architecture_class
-from engine.attention import AttentionBackend, check_attention_choice, select_backend
+from engine.attention import AttentionBackend
 from engine.attention import register as register_attention
+from engine.attention_select import check_attention_choice, select_backend
 from engine.checkpoint import (
     check_tokenizer,
     check_weights,
@@ -47,7 +48,6 @@ from engine.scheduler import Scheduler
 if TYPE_CHECKING:
     from encoders import CacheStats, EncoderCache, MediaEncoder, Prepared
     from encoders.prepared import Encoded
-    from engine.context import Context
 
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 DEFAULT_CUDA_KV_FRACTION = 0.5
@@ -101,7 +101,7 @@ class Model:
         self._encoder: MediaEncoder | None = None
         self._encoder_lock = threading.Lock()
         self.saved = SavedContexts()
-        self.live_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self.live_contexts: weakref.WeakSet[Any] = weakref.WeakSet()
         self.counters = EngineCounters()
         """Every context built on this model and not yet collected (``open_contexts`` counts the open ones)."""
         """Contexts saved by name (``Context.save``), pinned with their pages."""
@@ -145,7 +145,9 @@ class Model:
         check_attention_choice(attention)
         path = resolve_checkpoint(path)
         config = read_config(path)
-        check_quantization(quantization, config, torch.device(device) if device is not None else default_device())
+        check_quantization(
+            quantization, config, torch.device(device) if device is not None else default_device()
+        )
         arch_cls = architecture_class(config.get("architectures"))
         check_weights(path)
         check_tokenizer(path)
@@ -169,7 +171,9 @@ class Model:
         hf = place_model(hf, dev)
         hf.set_attn_implementation({"text_config": register_attention()})
         arch = arch_cls(hf)
-        quantization = quantize_at_load(hf, arch.language_model, path, config, quantization, device=dev, dtype=dtype)
+        quantization = quantize_at_load(
+            hf, arch.language_model, path, config, quantization, device=dev, dtype=dtype
+        )
         layouts = arch.layer_layouts()
         per_page = bytes_per_page(layouts, page_size, dtype)
         if kv_pages is None:
@@ -286,23 +290,6 @@ class Model:
                     cache = self._encoder_cache if self._encoder_cache is not None else EncoderCache()
                     self._encoder = encoder_for(self.path, cache=cache, **self.arch.encoder_kwargs())
         return self._encoder
-
-    def embed(self, content: Any, *, pooling: str = "last", normalize: bool = True) -> torch.Tensor:
-        """Blocking: the embedding of text and/or media ``content`` (``engine.embeddings``);
-        await ``engine.embed_async`` inside an event loop."""
-        from engine.embeddings import embed_async
-        from engine.sync import run_sync
-
-        return run_sync(embed_async(self, content, pooling=pooling, normalize=normalize))
-
-    def embed_many(
-        self, contents: Sequence[Any], *, pooling: str = "last", normalize: bool = True
-    ) -> torch.Tensor:
-        """Blocking: (n, hidden) embeddings of several contents, computed together."""
-        from engine.embeddings import embed_many_async
-        from engine.sync import run_sync
-
-        return run_sync(embed_many_async(self, contents, pooling=pooling, normalize=normalize))
 
     def load_adapter(self, path: str | Path, name: str | None = None) -> Adapter:
         """Load a PEFT LoRA adapter for this model's language model (typed errors if it

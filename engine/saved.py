@@ -3,20 +3,28 @@
 ``model.saved.save(name, ctx)`` keeps a fork of ``ctx`` (its pages by reference, so a
 saved prefix costs no copy and stays in the pool while it is saved);
 ``model.saved.open(name)`` returns a new context forked from it; ``model.saved.delete``
-unpins it. ``Context.save`` / ``Context.open`` and ``Model.saved_names`` /
+unpins it; ``model.saved.import_(name, data, model=model)`` saves a context rebuilt from
+snapshot bytes (attached by ``engine.conveniences``: it needs ``engine.context``). ``Context.save`` / ``Context.open`` and ``Model.saved_names`` /
 ``Model.delete_saved`` are the same operations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from engine.errors import InvalidRequestError, SavedContextExistsError, SavedContextNotFoundError
 
-if TYPE_CHECKING:
-    from engine.context import Context
-    from engine.model import Model
+
+class Context(Protocol):
+    """What a saved context must do here (``engine.context.Context`` does; this file does
+    not import it, so that ``engine.model``, which holds a ``SavedContexts``, stays below it)."""
+
+    def fork(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+    def snapshot(self) -> bytes: ...
 
 
 class SavedContexts:
@@ -46,17 +54,6 @@ class SavedContexts:
         """The context saved as ``name`` as portable snapshot bytes (``engine.snapshot``'s
         format), so a saved prefix can leave the process."""
         return self._get(name).snapshot()
-
-    def import_(self, name: str, data: bytes, *, model: Model, overwrite: bool = False) -> None:
-        """Save, under ``name``, the context that ``export`` (or ``Context.snapshot``) bytes
-        describe, rebuilt on ``model`` (the typed snapshot errors apply)."""
-        from engine.context import Context
-
-        ctx = Context.resume(model, data)
-        try:
-            self.save(name, ctx, overwrite=overwrite)
-        finally:
-            ctx.close()
 
     def delete(self, name: str) -> None:
         """Unpin ``name`` (its pages go back to the pool unless others hold them)."""

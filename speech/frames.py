@@ -14,16 +14,24 @@ at once when no step is in flight, else once the pass writing them is over.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from engine import PageTable, StepInput
+from engine import KVPool, PageTable, Scheduler, StepInput
+from speech.frame_head import FrameResult
+from speech.job import SpeechJob
 
-if TYPE_CHECKING:
-    from speech.frame_head import FrameResult
-    from speech.job import SpeechJob
-    from speech.model import SpeechModel
+
+class FrameModel(Protocol):
+    """What the loop needs of ``speech.model.SpeechModel`` (not imported: it builds on this)."""
+
+    pool: KVPool
+    scheduler: Scheduler
+    max_prefill_rows: int
+    stats: Any
+    eos_id: int
+    frame_token_id: int
 
 
 def is_end_frame(frame: list[int], eos_id: int) -> bool:
@@ -31,7 +39,7 @@ def is_end_frame(frame: list[int], eos_id: int) -> bool:
     return all(int(c) == eos_id for c in list(frame)[:-1])
 
 
-async def frames(model: SpeechModel, job: SpeechJob) -> AsyncIterator[list[int]]:
+async def frames(model: FrameModel, job: SpeechJob) -> AsyncIterator[list[int]]:
     """Yield the frames of ``job``; the last is the end frame or the ``max_frames``-th."""
     table = PageTable(model.pool)
     scheduler = model.scheduler

@@ -101,3 +101,55 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     found = _imports(f)
     assert ("engine._x", ["_y"], 2) in found
     assert ("speech", [], 3) in found
+
+
+def _file_graph(room: str) -> dict[str, set[str]]:
+    """module -> modules of the same room it imports (lazy and TYPE_CHECKING imports count;
+    the door, ``__init__``, is not a node: every file's package imports it first)."""
+    folder = ROOT / room
+    modules = {p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") for p in folder.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        me = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+        deps = graph.setdefault(me, set())
+        for module, names, _line in _imports(path):
+            candidates = [module] + [f"{module}.{n}" for n in names]
+            deps.update(c for c in candidates if c in modules and c != me and not c.endswith("__init__"))
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [node, nxt] if nxt in path else path + [node, nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [node])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [])
+            if found:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("room", ["engine", "speech"])
+def test_files_inside_a_room_form_no_circle(room: str) -> None:
+    """``engine.model`` imports nothing that imports it back (conveniences such as
+    ``model.embed`` and ``ctx.snapshot`` are attached by ``engine.conveniences``)."""
+    assert _cycle(_file_graph(room)) is None
+
+
+def test_the_file_circle_check_sees_a_circle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

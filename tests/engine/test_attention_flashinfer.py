@@ -31,8 +31,9 @@ import torch
 
 from engine import AttentionBackendUnavailableError, Context, InvalidRequestError, Model, Sampler, SyncContext
 from engine import attention_flashinfer as afi
-from engine.attention import TORCH_BACKEND, BatchMeta, SeqMeta, select_backend
+from engine.attention import TORCH_BACKEND, BatchMeta, SeqMeta
 from engine.attention_flashinfer import FlashInferBackend
+from engine.attention_select import select_backend
 from engine.kv_pool import KVPool, LayerLayout
 from engine.stopping import max_tokens
 from media import Image
