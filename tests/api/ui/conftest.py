@@ -73,8 +73,12 @@ def chromium_path() -> str | None:
     return path if path and Path(path).exists() else None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    """One Chromium per module. Not per session: Playwright's sync API keeps an asyncio
+    loop running on the main thread until it stops, and every later ``asyncio.run`` in the
+    same pytest process (the engine tests) would fail with "cannot be called from a
+    running event loop"."""
     path = chromium_path()
     try:
         from playwright.sync_api import sync_playwright
