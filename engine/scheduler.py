@@ -75,6 +75,11 @@ class Scheduler:
         done = loop.run_in_executor(self._executor, _nothing)
         done.add_done_callback(lambda _: callback())
 
+    async def pass_over(self) -> None:
+        """Return once the forward worker has finished the pass it is running or has
+        queued now: a cancelled step's pages can then be released (nothing writes them)."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, _nothing)
+
     def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
             return self.runner.run(steps)

@@ -92,6 +92,9 @@ async def frames(model: FrameModel, job: SpeechJob) -> AsyncIterator[list[int]]:
             in_flight = False
     finally:
         if in_flight:  # cancelled while its pass runs: the pass still writes these pages
-            scheduler.after_pass(table.release)
-        else:
-            table.release()
+            try:
+                await scheduler.pass_over()
+            except BaseException:  # cancelled again: release when that pass is over
+                scheduler.after_pass(table.release)
+                raise
+        table.release()

@@ -45,7 +45,8 @@ import asyncio
 import math
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import aclosing
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,8 @@ class SpeechModel:
             max_streams=check_int("max_streams", max_streams, min=1),
         )
         self.stats = SpeechStats()
+        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-mimi")
+        """Mimi decodes of the async paths, one at a time beside the forward worker."""
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -466,7 +469,9 @@ class SpeechModel:
         ticket is released when the frames are done."""
         with ticket:
             codes = [c async for c in self.frames_async(job)]
-        return await asyncio.to_thread(self.clip, np.asarray(codes, dtype=np.int64))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._decoder, self.clip, np.asarray(codes, dtype=np.int64)
+        )
 
     async def stream_async(
         self,
@@ -482,20 +487,48 @@ class SpeechModel:
         context_frames = check_int("context_frames", context_frames, min=0)
         if ticket is None:
             ticket = await asyncio.to_thread(self.admit, job)
+        # The frames run ahead of the Mimi decode (a task of their own), so this stream's
+        # next backbone step joins the next pass while a chunk decodes; chunks still cover
+        # exactly ``chunk_frames`` frames each. Decodes of every stream share one worker
+        # thread, beside the forward worker, instead of competing for the cores.
         codes: list[list[int]] = []
-        done = 0  # frames already voiced
+        more = asyncio.Event()
+        ended = False
         gen = self.frames_async(job)
+
+        async def produce() -> None:
+            nonlocal ended
+            try:
+                async for ids in gen:
+                    if all(c == self.eos_id for c in ids):  # the reference's audio cutoff
+                        break
+                    codes.append(ids)
+                    more.set()
+            finally:
+                ended = True
+                more.set()
+
+        loop = asyncio.get_running_loop()
+        producer = asyncio.create_task(produce())
+        done = 0  # frames already voiced
         try:
-            async for ids in gen:
-                if all(c == self.eos_id for c in ids):  # the reference's audio cutoff
+            while True:
+                while len(codes) - done < chunk_frames and not ended:
+                    more.clear()
+                    await more.wait()
+                if len(codes) == done:
                     break
-                codes.append(ids)
-                if len(codes) - done >= chunk_frames:
-                    yield await asyncio.to_thread(self._chunk, list(codes), done, context_frames)
-                    done = len(codes)
-            if len(codes) > done:
-                yield await asyncio.to_thread(self._chunk, list(codes), done, context_frames)
+                end = min(len(codes), done + chunk_frames)
+                yield await loop.run_in_executor(
+                    self._decoder, self._chunk, codes[:end], done, context_frames
+                )
+                done = end
+            await producer  # a failed pass is the stream's error
         finally:
+            if not producer.done():
+                producer.cancel()
+            with suppress(asyncio.CancelledError, Exception):  # its error was raised above
+                await producer
             await gen.aclose()
             ticket.release()
 
