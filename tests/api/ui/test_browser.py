@@ -10,6 +10,7 @@ import base64
 import time
 from pathlib import Path
 
+import av
 import httpx
 import pytest
 
@@ -177,6 +178,70 @@ def test_spoken_clip_plays_and_errors_are_the_servers(page, ui_server: UiServer,
     duration = page.evaluate("document.getElementById('speak-audio').duration")
     assert 0 < duration <= 1.2
     shot(page, "speak")
+
+
+AUDIO = "document.getElementById('speak-audio')"
+
+
+def speech_times(page) -> dict[str, int]:
+    """speak.js's timings of the last request (ms since it started) and its state."""
+    data = page.evaluate(f"({{...{AUDIO}.dataset}})")
+    return {k: (v if k == "state" else int(v)) for k, v in data.items()}
+
+
+def test_mp3_plays_while_it_streams(page, ui_server: UiServer, shot) -> None:
+    page.click("#tab-speak")
+    page.fill("#speak-text", "Good morning, and welcome to the page.")
+    page.fill("#speak-max", "5")
+    page.select_option("#speak-format", "mp3")
+    assert page.evaluate("window.MediaSource && MediaSource.isTypeSupported('audio/mpeg')")
+    page.click("#speak-go")
+    until(page, f"{AUDIO}.dataset.state === 'done'")
+    times = speech_times(page)
+    print("speech timings (ms):", times)
+    assert times["state"] == "done" and page.is_hidden("#speak-error")
+    # the element started playing before the last byte arrived: it played the stream
+    assert "playing" in times, times
+    assert times["firstAudio"] <= times["playing"] < times["done"], times
+    until(page, f"isFinite({AUDIO}.duration) && {AUDIO}.duration > 0 && {AUDIO}.currentTime > 0")
+    duration = page.evaluate(f"{AUDIO}.duration")
+    assert 0 < duration <= 5.3
+    assert "first audio after" in page.inner_text("#speak-ttfa") and "ms" in page.inner_text("#speak-ttfa")
+    assert "(streamed)" in page.inner_text("#speak-progress")
+    link = page.locator("#speak-download")
+    assert link.get_attribute("download") == "speech.mp3"
+    with page.expect_download() as download:
+        link.click()
+    clip = Path(download.value.path())
+    assert f"({clip.stat().st_size / 1024:.1f} KiB)" in link.inner_text()  # every chunk, once
+    with av.open(str(clip)) as f:  # the saved file is the clip that played: same length
+        frames = list(f.decode(audio=0))
+    assert sum(fr.samples for fr in frames) / frames[0].sample_rate == pytest.approx(duration, abs=0.1)
+    shot(page, "speak-streaming")
+
+
+def test_speech_stop_aborts_and_its_pages_come_back(page, ui_server: UiServer) -> None:
+    csm = "tiny-csm"
+    before = metric(ui_server, "pie_media_kv_pages", model=csm, state="used")
+    page.click("#tab-speak")
+    page.fill("#speak-max", "60")
+    page.select_option("#speak-format", "mp3")
+    page.click("#speak-go")
+    until(page, f"'firstAudio' in {AUDIO}.dataset")
+    assert metric(ui_server, "pie_media_requests_in_flight", model=csm) == 1
+    page.click("#speak-stop")
+    until(page, f"{AUDIO}.dataset.state === 'stopped'")
+    assert "stopped after" in page.inner_text("#speak-progress")
+    assert page.get_attribute("#speak-download", "download") == "speech-partial.mp3"
+    assert page.is_disabled("#speak-stop") and page.is_enabled("#speak-go")
+    deadline = time.monotonic() + 15
+    while (
+        metric(ui_server, "pie_media_kv_pages", model=csm, state="used") != before
+        or metric(ui_server, "pie_media_requests_in_flight", model=csm) != 0
+    ):
+        assert time.monotonic() < deadline, "the stopped speech request's pages did not come back"
+        time.sleep(0.1)
+    page.fill("#speak-max", "5")
 
 
 def test_caption_job_of_twelve_reports_the_bad_file(page, samples: Path, shot) -> None:
