@@ -24,6 +24,8 @@ Masks are built per sequence over KV row indices (row = token index in the conte
 Backends plug in through ``AttentionBackend`` (``write`` this step's K/V, ``attend``):
 
 * ``torch`` (here; CPU and CUDA, any dtype): gather the pages of a sequence, then SDPA.
+  With a quantized pool (``kv_dtype`` int8 / fp8_e4m3) ``write`` quantizes through
+  ``KVPool.write`` and the gathers dequantize to the query's dtype (``KVPool.read``).
   It attends all one-row queries of a pass (decode steps) in one padded SDPA call over
   K/V gathered with a slot table built once per pass and shared by every layer; prefill
   chunks and media-block rows go one sequence at a time.
@@ -138,11 +140,9 @@ class TorchBackend:
     name = "torch"
 
     def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        kc, vc = meta.pool.kv(layer)
-        kvh, hd = kc.shape[2], kc.shape[3]
-        # key/value: (1, kv_heads, N, head_dim) -> (N, kv_heads, head_dim)
-        kc.view(-1, kvh, hd).index_copy_(0, meta.slots, key[0].transpose(0, 1).to(kc.dtype))
-        vc.view(-1, kvh, hd).index_copy_(0, meta.slots, value[0].transpose(0, 1).to(vc.dtype))
+        # key/value: (1, kv_heads, N, head_dim) -> (N, kv_heads, head_dim); the pool
+        # quantizes when its format is int8/fp8 (``engine.kv_quant``).
+        meta.pool.write(layer, meta.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
     def attend(
         self,
@@ -154,7 +154,7 @@ class TorchBackend:
         sliding_window: int | None,
         softcap: float | None,
     ) -> torch.Tensor:
-        kc, vc = meta.pool.kv(layer)
+        kc, _ = meta.pool.kv(layer)
         _, page_size, kvh, hd = kc.shape
         blocks = layer in meta.block_overlay_layers
         group = None if softcap is not None else _decode_group(meta, page_size, sliding_window)
@@ -162,9 +162,8 @@ class TorchBackend:
         outs = []
         for seq in rest:
             q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, n, D)
-            k = kc[seq.pages].reshape(-1, kvh, hd)[: seq.kv_len].transpose(0, 1).unsqueeze(0)
-            v = vc[seq.pages].reshape(-1, kvh, hd)[: seq.kv_len].transpose(0, 1).unsqueeze(0)
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = meta.pool.read_pages(layer, seq.pages, seq.kv_len, q.dtype)  # dequantized
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             mask = sequence_mask(seq, sliding_window=sliding_window, blocks=blocks, device=q.device)
             outs.append(_attend(q, k, v, mask, seq, scaling=scaling, softcap=softcap))
         if group is None:
@@ -173,8 +172,8 @@ class TorchBackend:
         # gathered with one index_select of the pass's flat slot table, padding masked out.
         q = query[0].index_select(1, group.rows).transpose(0, 1).unsqueeze(2)
         shape = (group.rows.shape[0], group.width, kvh, hd)
-        k = kc.view(-1, kvh, hd).index_select(0, group.slots).view(shape).transpose(1, 2).to(q.dtype)
-        v = vc.view(-1, kvh, hd).index_select(0, group.slots).view(shape).transpose(1, 2).to(q.dtype)
+        k, v = meta.pool.read(layer, group.slots, q.dtype)
+        k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=q.shape[1] != kvh
         )  # (B, H, 1, D)

@@ -40,6 +40,13 @@ How a pass maps onto flashinfer (per layer the protocol of ``engine.attention``)
   backend), ``scaling`` is ``sm_scale``; GQA is native (``num_qo_heads`` a multiple of
   ``num_kv_heads``).
 
+fp8 K/V (``Model.load(kv_dtype="fp8_e4m3")`` on this backend): the pool stores
+float8_e4m3fn with one fixed scale per layer for K and one for V (``engine.kv_quant``,
+``scales="tensor"``), written by ``KVPool.write``; the wrappers are planned with
+``kv_data_type`` = the pool's fp8 dtype and run with ``k_scale`` / ``v_scale`` (scalars:
+flashinfer's kernels take no per-row scale). int8 K/V have no flashinfer kernels and stay
+on the torch backend (``engine.attention_select``).
+
 flashinfer takes float16/bfloat16 only (``FLASHINFER_DTYPES``): ``select_backend`` keeps a
 float32 model on the torch backend under ``"auto"`` and raises under ``"flashinfer"``.
 One backend object serves one model; passes run one at a time (the scheduler's worker),
@@ -82,6 +89,15 @@ def flashinfer_available() -> tuple[bool, str]:
     except Exception as e:  # ImportError, or a compiled extension that fails to load
         return False, f"flashinfer does not import ({type(e).__name__}: {e}); install pie-media[cuda]"
     return True, f"flashinfer {getattr(flashinfer, '__version__', '(unknown version)')}"
+
+
+def kv_scales(pool: Any) -> dict[str, float]:
+    """The ``run`` keywords of a pool with fp8 pages and per-layer scales (``k_scale``,
+    ``v_scale``: Python floats, fixed, so a captured CUDA graph holds them); else none."""
+    fmt = pool.kv_format
+    if fmt.scales != "tensor":
+        return {}
+    return {"k_scale": fmt.tensor_scale, "v_scale": fmt.tensor_scale}
 
 
 def query_rows(
@@ -229,12 +245,13 @@ class FlashInferBackend:
         blocks = layer in meta.block_overlay_layers
         q, layer_kind = query_rows(query, kc, scaling=scaling, sliding_window=sliding_window, softcap=softcap)
         parts = split_pass(meta, page_size, blocks)
+        scales = kv_scales(meta.pool)
         out: torch.Tensor | None = None
         for part in parts:
             wrapper = self._planned(meta, part, layer_kind, page_size, blocks)
             if part.rows is None:
-                return wrapper.run(q.contiguous(), (kc, vc)).transpose(0, 1).unsqueeze(0)
-            o = wrapper.run(q.index_select(0, part.rows), (kc, vc))
+                return wrapper.run(q.contiguous(), (kc, vc), **scales).transpose(0, 1).unsqueeze(0)
+            o = wrapper.run(q.index_select(0, part.rows), (kc, vc), **scales)
             if out is None:
                 out = q.new_empty(q.shape[0], heads, o.shape[2])
             out.index_copy_(0, part.rows, o)

@@ -18,7 +18,9 @@ the fixed buffers) and copies the inputs into the static buffers, without a sync
 
 Which passes: every step one new row wanting the last row's logits, no media rows, no
 bidirectional blocks, no LoRA adapters, at most ``max_batch`` steps, and a flashinfer
-backend with kernels for every layer's head size. Anything else runs as usual.
+backend with kernels for every layer's head size. Anything else runs as usual. An fp8 KV
+pool (``kv_dtype="fp8_e4m3"``) works: its per-layer scales are fixed floats the graphs
+hold; int8 K/V never reach here (no flashinfer backend for them).
 
 ``capture=False`` runs the same static-buffer function eagerly instead of replaying a
 graph: everything but the capture itself, which is how it is tested without a GPU (with a
@@ -36,7 +38,7 @@ import torch
 
 from engine.architectures import TextInputs
 from engine.attention import TORCH_BACKEND, BatchMeta
-from engine.attention_flashinfer import FlashInferBackend, query_rows
+from engine.attention_flashinfer import FlashInferBackend, kv_scales, query_rows
 from engine.forward import upload_indices
 
 if TYPE_CHECKING:
@@ -96,7 +98,7 @@ class _BucketAttention:
                     kind, self.owner.page_table_buffers(self.bucket)
                 )
             self._plan(kind, wrapper)
-        return wrapper.run(q.contiguous(), (kc, vc)).transpose(0, 1).unsqueeze(0)
+        return wrapper.run(q.contiguous(), (kc, vc), **kv_scales(meta.pool)).transpose(0, 1).unsqueeze(0)
 
 
 class DecodeGraphs:

@@ -25,6 +25,13 @@ them, and its final hidden state), under a key that chains the full pages before
 a prompt prefilled before (the same prefix and image, a repeated request, a saved
 preamble) is taken whole, without a forward pass. At most ``tail_entries`` are kept,
 least recently used evicted first.
+
+Quantized storage (``kv_dtype``, ``engine.kv_quant``): K/V may be stored as int8 or
+float8_e4m3fn with float32 scales beside the pages (per (row, kv head), shape
+``(num_pages, page_size, kv_heads)``; or one 0-d scale per layer for K and V).
+``write`` quantizes, ``read`` / ``read_pages`` dequantize to the caller's dtype, and
+``copy_page``, tails and snapshots carry the scales with the rows. ``bytes_per_page``
+counts the scales, so a memory budget buys more pages (``PoolStats.capacity_rows``).
 """
 
 from __future__ import annotations
@@ -37,6 +44,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import OutOfPagesError
+from engine.kv_quant import (
+    SCALE_DTYPE,
+    KVFormat,
+    dequantize,
+    float_format,
+    quantize_rows,
+    quantize_tensor,
+    resolve_kv_dtype,
+)
 from engine.page_hashing import PageKey
 from media import check_int
 
@@ -47,6 +63,8 @@ class _Tail:
     k: list[torch.Tensor | None]
     v: list[torch.Tensor | None]
     output: object
+    ks: list[torch.Tensor | None]
+    vs: list[torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -72,17 +90,33 @@ class PoolStats:
     bytes_per_page: int
     tails: int = 0
     """Partial last pages kept with their last row's output (``KVPool.put_tail``)."""
+    kv_dtype: str = ""
+    """What the pages store (``KVFormat.describe``: "bfloat16", "int8 (per-row scales)")."""
 
     @property
     def available(self) -> int:
         return self.cached + self.free
 
+    @property
+    def capacity_rows(self) -> int:
+        """Rows of K/V the whole pool holds (pages x rows per page)."""
+        return self.num_pages * self.page_size
 
-def bytes_per_page(layers: Sequence[LayerLayout], page_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
+
+def bytes_per_page(layers: Sequence[LayerLayout], page_size: int, dtype: torch.dtype | KVFormat) -> int:
+    """Bytes one page takes over every storing layer: K and V values plus their scales."""
+    fmt = dtype if isinstance(dtype, KVFormat) else float_format(dtype)
+    elem, scale = fmt.element_bytes(), fmt.scale_bytes_per_row_head()
     return sum(
-        2 * page_size * lay.kv_heads * lay.head_dim * elem for lay in layers if lay.shares_with is None
+        2 * page_size * lay.kv_heads * (lay.head_dim * elem + scale)
+        for lay in layers
+        if lay.shares_with is None
     )
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as uint8 (CPU torch has no index_copy_ for float8); others as they are."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
 class KVPool:
@@ -95,7 +129,10 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         tail_entries: int | None = None,
+        kv_dtype: str | torch.dtype | KVFormat | None = None,
     ):
+        """``dtype``: the model's dtype (what ``read`` gives back by default); ``kv_dtype``:
+        what the pages store (``engine.kv_quant.KV_DTYPES`` or a ``KVFormat``; None: ``dtype``)."""
         page_size = check_int("page_size", page_size, min=1)
         num_pages = check_int("num_pages", num_pages, min=1)
         self.tail_entries = (
@@ -108,10 +145,18 @@ class KVPool:
         self.layers = list(layers)
         self.page_size = page_size
         self.num_pages = num_pages
-        self.dtype = dtype
+        fmt = resolve_kv_dtype(kv_dtype, dtype)
+        self.kv_format = fmt
+        self.compute_dtype = dtype
+        self.dtype = fmt.storage
+        """The pages' storage dtype (int8 / float8_e4m3fn when quantized)."""
         self.device = torch.device(device)
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
+        self.k_scale: list[torch.Tensor | None] = []
+        """Per storing layer: (num_pages, page_size, kv_heads) float32 scales ("row"), a 0-d
+        scale ("tensor"), or None (a float format); ``v_scale`` likewise."""
+        self.v_scale: list[torch.Tensor | None] = []
         for i, lay in enumerate(self.layers):
             if lay.shares_with is not None:
                 src = lay.shares_with
@@ -119,13 +164,22 @@ class KVPool:
                     raise ValueError(f"layer {i} shares K/V with layer {src}, which owns none")
                 self.k.append(None)
                 self.v.append(None)
+                self.k_scale.append(None)
+                self.v_scale.append(None)
                 continue
             shape = (num_pages, page_size, lay.kv_heads, lay.head_dim)
             # Uninitialised: only rows a context wrote are ever read (attention slices each
             # gathered sequence to its length), and untouched memory is not committed.
-            self.k.append(torch.empty(shape, dtype=dtype, device=self.device))
-            self.v.append(torch.empty(shape, dtype=dtype, device=self.device))
-        self.bytes_per_page = bytes_per_page(self.layers, page_size, dtype)
+            self.k.append(torch.empty(shape, dtype=fmt.storage, device=self.device))
+            self.v.append(torch.empty(shape, dtype=fmt.storage, device=self.device))
+            for scales in (self.k_scale, self.v_scale):
+                if fmt.scales == "row":
+                    scales.append(torch.ones(shape[:3], dtype=SCALE_DTYPE, device=self.device))
+                elif fmt.scales == "tensor":
+                    scales.append(torch.tensor(fmt.tensor_scale, dtype=SCALE_DTYPE, device=self.device))
+                else:
+                    scales.append(None)
+        self.bytes_per_page = bytes_per_page(self.layers, page_size, fmt)
 
         self._lock = threading.RLock()
         self._ref = [0] * num_pages
@@ -144,13 +198,69 @@ class KVPool:
         s = self.storage_layer(layer)
         return self.k[s], self.v[s]  # type: ignore[return-value]
 
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The K and V scales of ``layer``'s storage (None, None for a float format)."""
+        s = self.storage_layer(layer)
+        return self.k_scale[s], self.v_scale[s]
+
+    def _row_scales(self) -> list[torch.Tensor | None]:
+        """Every per-row scale tensor (K and V of each storing layer), or nothing."""
+        if self.kv_format.scales != "row":
+            return []
+        return [*self.k_scale, *self.v_scale]
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store rows ``key`` / ``value`` (N, kv_heads, head_dim) at flat ``slots`` (N,)
+        (page * page_size + offset), quantized when the format is."""
+        s = self.storage_layer(layer)
+        fmt = self.kv_format
+        for cache, scale, x in ((self.k[s], self.k_scale[s], key), (self.v[s], self.v_scale[s], value)):
+            assert cache is not None
+            kvh, hd = cache.shape[2], cache.shape[3]
+            flat = _bytes_view(cache).view(-1, kvh, hd)
+            if fmt.scales is None:
+                flat.index_copy_(0, slots, x.to(cache.dtype))
+            elif fmt.scales == "row":
+                assert scale is not None
+                q, sc = quantize_rows(x, fmt)
+                flat.index_copy_(0, slots, _bytes_view(q))
+                scale.view(-1, kvh).index_copy_(0, slots, sc)
+            else:
+                assert scale is not None
+                flat.index_copy_(0, slots, _bytes_view(quantize_tensor(x, scale, fmt)))
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at flat ``slots`` (N,) as (N, kv_heads, head_dim) in ``dtype`` (dequantized)."""
+        s = self.storage_layer(layer)
+        out = []
+        for cache, scale in ((self.k[s], self.k_scale[s]), (self.v[s], self.v_scale[s])):
+            assert cache is not None
+            kvh, hd = cache.shape[2], cache.shape[3]
+            q = cache.view(-1, kvh, hd).index_select(0, slots)
+            sc = scale.view(-1, kvh).index_select(0, slots) if scale is not None and scale.dim() else scale
+            out.append(dequantize(q, sc, dtype))
+        return out[0], out[1]
+
+    def read_pages(
+        self, layer: int, pages: torch.Tensor, rows: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``rows`` rows held by ``pages`` (in order) as (rows, kv_heads, head_dim)
+        K and V in ``dtype`` (dequantized)."""
+        s = self.storage_layer(layer)
+        out = []
+        for cache, scale in ((self.k[s], self.k_scale[s]), (self.v[s], self.v_scale[s])):
+            assert cache is not None
+            kvh, hd = cache.shape[2], cache.shape[3]
+            q = cache[pages].reshape(-1, kvh, hd)[:rows]
+            sc = scale[pages].reshape(-1, kvh)[:rows] if scale is not None and scale.dim() else scale
+            out.append(dequantize(q, sc, dtype))
+        return out[0], out[1]
+
     def copy_page(self, src: int, dst: int, rows: int | None = None) -> None:
         n = self.page_size if rows is None else rows
-        for k, v in zip(self.k, self.v, strict=True):
-            if k is None or v is None:
-                continue
-            k[dst, :n] = k[src, :n]
-            v[dst, :n] = v[src, :n]
+        for t in [*self.k, *self.v, *self._row_scales()]:
+            if t is not None:
+                t[dst, :n] = t[src, :n]
 
     # -- accounting ------------------------------------------------------------------------
     def stats(self) -> PoolStats:
@@ -165,6 +275,7 @@ class KVPool:
                 free=len(self._free),
                 bytes_per_page=self.bytes_per_page,
                 tails=len(self._tails),
+                kv_dtype=self.kv_format.describe(),
             )
 
     def available(self) -> int:
@@ -279,9 +390,19 @@ class KVPool:
                 return
             if self._ref[page] <= 0:
                 raise RuntimeError(f"put_tail of unheld page {page}")
-            k = [None if t is None else t[page, :rows].clone() for t in self.k]
-            v = [None if t is None else t[page, :rows].clone() for t in self.v]
-            self._tails[key] = _Tail(rows, k, v, output)
+
+            def kept(ts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+                return [None if t is None else t[page, :rows].clone() for t in ts]
+
+            row = self.kv_format.scales == "row"
+            self._tails[key] = _Tail(
+                rows,
+                kept(self.k),
+                kept(self.v),
+                output,
+                kept(self.k_scale) if row else [],
+                kept(self.v_scale) if row else [],
+            )
             while len(self._tails) > self.tail_entries:
                 self._tails.popitem(last=False)
 
@@ -295,10 +416,8 @@ class KVPool:
             if self._ref[page] <= 0:
                 raise RuntimeError(f"take_tail into unheld page {page}")
             self._tails.move_to_end(key)
-            for dst, src in zip(self.k, tail.k, strict=True):
-                if dst is not None and src is not None:
-                    dst[page, : tail.rows] = src
-            for dst, src in zip(self.v, tail.v, strict=True):
+            dsts = [*self.k, *self.v, *self._row_scales()]
+            for dst, src in zip(dsts, [*tail.k, *tail.v, *tail.ks, *tail.vs], strict=True):
                 if dst is not None and src is not None:
                     dst[page, : tail.rows] = src
             return tail.rows, tail.output

@@ -75,6 +75,10 @@ class MetricsSnapshot:
     open_contexts: int
     ttft: dict[str, Any]
     itl: dict[str, Any]
+    kv_capacity_rows: int = 0
+    """Rows of K/V the pool holds in all (``PoolStats.capacity_rows``)."""
+    kv_dtype: str = ""
+    """What the pages store (``Model.load(kv_dtype=...)``)."""
 
     @property
     def mean_steps_per_pass(self) -> float:

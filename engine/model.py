@@ -39,6 +39,7 @@ from engine.checkpoint import (
 from engine.errors import InvalidRequestError
 from engine.forward import ForwardRunner
 from engine.kv_pool import KVPool, PoolStats, bytes_per_page
+from engine.kv_quant import resolve_kv_dtype
 from engine.load_quantization import check_quantization, quantize_at_load
 from engine.lora import Adapter, load_adapter
 from engine.metrics import EngineCounters, MetricsSnapshot
@@ -124,6 +125,7 @@ class Model:
         attention: str = "auto",
         cuda_graphs: int = 0,
         quantization: str | None = None,
+        kv_dtype: str | torch.dtype | None = None,
     ) -> Model:
         """Load the checkpoint directory ``path`` (a tiny fixture name is resolved to its
         directory by ``api.model_ref``; here it is a ``ModelLoadError``).
@@ -141,8 +143,15 @@ class Model:
         language model's linear layers and LM head, weight-only) or "fp8" (CUDA) at load
         (``engine.quantization``; ``QuantizationUnavailableError`` for one the device cannot
         run); a checkpoint carrying an fp8 ``quantization_config`` loads as such without it.
+        kv_dtype: what the KV pages store (``engine.kv_quant``; vLLM's ``--kv-cache-dtype``):
+        None / "auto" (the model's dtype), "float32", "bfloat16", "float16", "int8" (per
+        (row, kv head) scales, dequantized on read; torch backend) or "fp8_e4m3" (per
+        (row, kv head) scales on the torch backend; one fixed scale per layer on
+        flashinfer, whose fp8 kernels read it in place). A quantized pool holds ~2x (bf16)
+        to ~4x (float32) the rows in the same ``kv_memory``.
         """
         check_attention_choice(attention)
+        resolve_kv_dtype(kv_dtype, dtype)  # an unknown name fails before anything loads
         path = resolve_checkpoint(path)
         config = read_config(path)
         check_quantization(
@@ -156,7 +165,11 @@ class Model:
         if max_prefill_rows < 1:
             raise InvalidRequestError(f"max_prefill_rows must be >= 1, got {max_prefill_rows}")
         dev = torch.device(device) if device is not None else default_device()
-        backend = select_backend(attention, device=dev, dtype=dtype)  # before the weights load
+        kv_format = resolve_kv_dtype(kv_dtype, dtype)
+        # before the weights load; an fp8 pool read by flashinfer keeps one scale per layer
+        backend = select_backend(attention, device=dev, dtype=dtype, kv_format=kv_format)
+        if backend.name == "flashinfer" and kv_format.scales == "row":
+            kv_format = resolve_kv_dtype(kv_dtype, dtype, scales="tensor")
 
         import transformers
 
@@ -175,11 +188,18 @@ class Model:
             hf, arch.language_model, path, config, quantization, device=dev, dtype=dtype
         )
         layouts = arch.layer_layouts()
-        per_page = bytes_per_page(layouts, page_size, dtype)
+        per_page = bytes_per_page(layouts, page_size, kv_format)
         if kv_pages is None:
             budget = kv_memory if kv_memory is not None else _default_kv_bytes(dev)
             kv_pages = max(1, budget // per_page)
-        pool = KVPool(layouts, num_pages=int(kv_pages), page_size=page_size, dtype=dtype, device=dev)
+        pool = KVPool(
+            layouts,
+            num_pages=int(kv_pages),
+            page_size=page_size,
+            dtype=dtype,
+            device=dev,
+            kv_dtype=kv_format,
+        )
         if cuda_graphs < 0:
             raise InvalidRequestError(f"cuda_graphs must be >= 0 (0: off), got {cuda_graphs}")
         if cuda_graphs and dev.type != "cuda":
@@ -267,6 +287,8 @@ class Model:
             open_contexts=self.open_contexts,
             ttft=c.ttft.to_dict(),
             itl=c.itl.to_dict(),
+            kv_capacity_rows=pool.capacity_rows,
+            kv_dtype=pool.kv_dtype,
         )
 
     @property
@@ -325,6 +347,7 @@ class Model:
             f"Model({self.architecture}, {self.path}, device={self.device}, dtype={self.dtype}, "
             f"kv_pages={s.num_pages}x{s.page_size}"
             + (f", quantization={self.quantization}" if self.quantization else "")
+            + (f", kv_dtype={s.kv_dtype}" if self.pool.kv_format.quantized else "")
             + ")"
         )
 

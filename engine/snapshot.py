@@ -8,7 +8,9 @@ and the model's fingerprint. By default KV
 pages are not stored: a resumed context recomputes them on its next pass (the prefix
 cache makes that free when the same prefix is still published), and then continues
 greedy generation exactly as the original would. ``include_kv=True`` also stores the K/V
-of every committed row (per storing layer, in the pool's dtype) and which adapter stack
+of every committed row (per storing layer, in the pool's storage: a quantized pool's int8
+/ fp8 values with their per-row scales; the manifest records the ``kv_dtype`` and a pool
+storing another refuses it with ``SnapshotModelMismatchError``) and which adapter stack
 computed them: the resumed context takes fresh pages, writes them back and computes only
 its last row again (its logits are not stored), on another process or machine too.
 
@@ -97,10 +99,26 @@ def _kv(ctx: Context, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         if k is None or v is None:
             continue
         layers.append(i)
-        for name, t in (("k", k), ("v", v)):
+        for name, t in _stored(pool, i):
             tensors[f"kv{i}.{name}"] = t.index_select(0, pages).flatten(0, 1)[:n].contiguous().cpu()
     salts = [[start, salt.hex()] for start, salt in ctx._table._salts if start < n] or [[0, ""]]
-    return {"rows": n, "layers": layers, "dtype": str(pool.dtype), "salts": salts}
+    return {"rows": n, "layers": layers, "dtype": _kv_dtype(pool), "salts": salts}
+
+
+def _kv_dtype(pool: Any) -> str:
+    """What the pool's pages store, as a snapshot records it: the torch dtype of a float
+    pool ("torch.float32", as before quantized pools existed), else the format
+    ("int8 (per-row scales)", ``engine.kv_quant``)."""
+    fmt = pool.kv_format
+    return fmt.describe() if fmt.quantized else str(pool.dtype)
+
+
+def _stored(pool: Any, i: int) -> list[tuple[str, torch.Tensor]]:
+    """A storing layer's per-row tensors: K, V and, for per-row scales, their scales."""
+    out = [("k", pool.k[i]), ("v", pool.v[i])]
+    if pool.kv_format.scales == "row":
+        out += [("k_scale", pool.k_scale[i]), ("v_scale", pool.v_scale[i])]
+    return out
 
 
 def _restore_kv(ctx: Context, kv: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -110,16 +128,27 @@ def _restore_kv(ctx: Context, kv: dict[str, Any], tensors: dict[str, torch.Tenso
     if not 0 <= n <= len(ctx._rows):
         raise SnapshotCorruptError(f"the snapshot stores K/V of {n} rows but holds {len(ctx._rows)}")
     want = [i for i, k in enumerate(pool.k) if k is not None]
-    if kv["layers"] != want or kv["dtype"] != str(pool.dtype):
+    have = _kv_dtype(pool)
+    if kv["dtype"] != have:
         raise SnapshotModelMismatchError(
-            f"the snapshot's K/V ({kv['dtype']}, storing layers {kv['layers']}) do not fit this model's "
-            f"pool ({pool.dtype}, {want}); load the model with the same dtype, or resume without K/V"
+            f"the snapshot's K/V are stored as {kv['dtype']} but this model's KV pool stores {have}; "
+            "load the model with the same dtype and kv_dtype, or resume without K/V",
+            snapshot_kv_dtype=kv["dtype"],
+            model_kv_dtype=have,
+        )
+    if kv["layers"] != want:
+        raise SnapshotModelMismatchError(
+            f"the snapshot's K/V (storing layers {kv['layers']}) do not fit this model's "
+            f"pool (storing layers {want}); resume without K/V"
         )
     for i in want:
-        for name in ("k", "v"):
+        for name, dst in _stored(pool, i):
             t = tensors[f"kv{i}.{name}"]
-            if tuple(t.shape) != (n, *pool.k[i].shape[2:]):  # type: ignore[union-attr]
-                raise SnapshotCorruptError(f"stored K/V of layer {i} has shape {tuple(t.shape)}")
+            if tuple(t.shape) != (n, *dst.shape[2:]) or t.dtype != dst.dtype:
+                raise SnapshotCorruptError(
+                    f"stored {name} of layer {i} is {tuple(t.shape)} {t.dtype}, expected "
+                    f"{(n, *dst.shape[2:])} {dst.dtype}"
+                )
     if n == 0:
         return
     table._salts = [(int(start), bytes.fromhex(salt)) for start, salt in kv["salts"]]
@@ -128,14 +157,18 @@ def _restore_kv(ctx: Context, kv: dict[str, Any], tensors: dict[str, torch.Tenso
     pages = torch.tensor(table.covering(n), dtype=torch.long, device=pool.device)
     full = len(pages) * ps
     for i in want:
-        for name, dst in (("k", pool.k[i]), ("v", pool.v[i])):
-            assert dst is not None
-            src = tensors[f"kv{i}.{name}"].to(pool.device)
+        for name, dst in _stored(pool, i):
+            src = _bytes(tensors[f"kv{i}.{name}"]).to(pool.device)
             if full > n:  # the last page is partly filled: pad (those rows are never read)
                 src = torch.cat([src, src.new_zeros(full - n, *src.shape[1:])])
-            dst.index_copy_(0, pages, src.view(len(pages), ps, *src.shape[1:]))
+            _bytes(dst).index_copy_(0, pages, src.view(len(pages), ps, *src.shape[1:]))
     ctx._n = n
     table.publish(ctx._rows, n)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as uint8 (CPU torch has no index_copy_ / cat for float8); others unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _sampler_json(s: Sampler | None) -> dict[str, Any] | None:

@@ -33,6 +33,11 @@ class _EngineCollector(Collector):
         contexts = GaugeMetricFamily(
             "pie_media_running_contexts", "Open contexts per model", labels=["model"]
         )
+        kv_rows = GaugeMetricFamily(
+            "pie_media_kv_capacity_rows",
+            "Rows of K/V the model's page pool holds (grows with an int8/fp8 --kv-cache-dtype)",
+            labels=["model", "kv_dtype"],
+        )
         cache = CounterMetricFamily(
             "pie_media_encoder_cache", "Encoder-cache lookups by result", labels=["model", "result"]
         )
@@ -60,13 +65,14 @@ class _EngineCollector(Collector):
             ):
                 pages.add_metric([served.name, state], value)
             contexts.add_metric([served.name], m.open_contexts)
+            kv_rows.add_metric([served.name, m.kv_dtype], m.kv_capacity_rows)
             cache.add_metric([served.name, "hit"], m.encoder_cache_hits)
             cache.add_metric([served.name, "miss"], m.encoder_cache_misses)
             passes.add_metric([served.name], m.passes)
             steps.add_metric([served.name], m.steps)
             engine_tokens.add_metric([served.name, "prompt"], m.prompt_tokens)
             engine_tokens.add_metric([served.name, "generated"], m.generated_tokens)
-        yield from (in_flight, capacity, pages, contexts, cache, passes, steps, engine_tokens)
+        yield from (in_flight, capacity, pages, contexts, kv_rows, cache, passes, steps, engine_tokens)
 
 
 def _speech_state(served: Any, pages: Any, contexts: Any, passes: Any, steps: Any, tokens: Any) -> None:

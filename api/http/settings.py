@@ -84,6 +84,9 @@ class ServeSettings(BaseSettings):
     checkpoint carrying an fp8 ``quantization_config`` loads as fp8 without it."""
     kv_pages: int | None = Field(default=None, ge=1)
     """KV pool pages per model (default: ``Model.load``'s memory budget)."""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"] = "auto"
+    """What the text models' KV pages store (``Model.load(kv_dtype=...)``, ``engine.kv_quant``):
+    auto = the model's dtype; int8 / fp8_e4m3 hold ~2-4x the rows per byte."""
     cuda_graphs: int = Field(default=0, ge=0)
     """Replay decode passes of up to this many contexts from CUDA graphs (0: off)."""
     max_speech_streams: int = Field(default=16, ge=1)
@@ -144,6 +147,8 @@ class ServeSettings(BaseSettings):
             out["cuda_graphs"] = self.cuda_graphs
         if self.quantization:
             out["quantization"] = self.quantization
+        if self.kv_cache_dtype != "auto":
+            out["kv_dtype"] = self.kv_cache_dtype
         out["max_speech_streams"] = self.max_speech_streams
         return out
 

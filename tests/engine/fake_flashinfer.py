@@ -29,6 +29,8 @@ class _FakeWrapper:
     * queries of request b are rows ``qo_indptr[b]:qo_indptr[b+1]`` (decode: one each);
     * causal is aligned bottom-right: query i of qo_len sees kv j <= kv_len - qo_len + i;
     * ``window_left`` w >= 0 keeps kv j when ``j + qo_len + w >= kv_len + i``;
+    * fp8 K/V (``kv_data_type`` float8_e4m3fn): read as ``value * k_scale`` / ``* v_scale``
+      (scalar floats given to ``run``, 1.0 when absent);
     * ``custom_mask``: per request a row-major (qo_len, kv_len) boolean block, requests
       concatenated; it replaces ``causal``;
     * logits: ``sm_scale * q.k`` (default 1/sqrt(head_dim)), or with ``logits_soft_cap`` c
@@ -51,7 +53,14 @@ class _FakeWrapper:
         self.planned = p
         _FakeWrapper.calls.append(("plan", kind))
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+        *,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ) -> torch.Tensor:
         p = self.planned
         assert p is not None, "run() before plan()"
         _FakeWrapper.calls.append(("run", type(self).__name__))
@@ -74,6 +83,7 @@ class _FakeWrapper:
             assert 1 <= last[b] <= page_size
             k = k_cache[pages].reshape(-1, kvh, hd)[:kv_len].float().repeat_interleave(heads // kvh, 1)
             v = v_cache[pages].reshape(-1, kvh, hd)[:kv_len].float().repeat_interleave(heads // kvh, 1)
+            k, v = k * (1.0 if k_scale is None else k_scale), v * (1.0 if v_scale is None else v_scale)
             qb = q[qo[b] : qo[b + 1]].float()
             n = qb.shape[0]
             logits = torch.einsum("qhd,khd->hqk", qb, k)
