@@ -39,6 +39,13 @@ export async function errorOf(response) {
   return new ApiError(response.status, `${response.status}: ${message}`, found && found.code);
 }
 
+export const UNREACHABLE = `Server unreachable: nothing answers at ${location.origin} (is pie-media serve still running?)`;
+
+/** Tell the page whether the server answered (app.js shows it on the status line). */
+function reached(ok) {
+  window.dispatchEvent(new CustomEvent("pie-media:reached", { detail: ok }));
+}
+
 /** fetch() with the key, a JSON body when `json` is given, and errors as ApiError. */
 export async function api(path, { method = "GET", json, body, headers = {}, signal } = {}) {
   const h = { ...headers };
@@ -53,8 +60,10 @@ export async function api(path, { method = "GET", json, body, headers = {}, sign
     response = await fetch(path, { method, headers: h, body, signal });
   } catch (e) {
     if (e.name === "AbortError") throw e;
-    throw new ApiError(0, `Cannot reach the server at ${location.origin}: is pie-media serve running?`, "unreachable");
+    reached(false);
+    throw new ApiError(0, UNREACHABLE, "unreachable");
   }
+  reached(true);
   if (!response.ok) throw await errorOf(response);
   return response;
 }

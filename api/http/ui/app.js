@@ -1,5 +1,5 @@
 // The page's shell: the API key, the tabs, the served models; each panel is its own module.
-import { api, getKey, setKey } from "./api.js";
+import { api, getKey, setKey, UNREACHABLE } from "./api.js";
 import * as chat from "./chat.js";
 import * as inferlets from "./inferlets.js";
 import * as jobs from "./jobs.js";
@@ -35,13 +35,35 @@ async function loadModels() {
     for (const p of Object.values(panels)) p.setModels?.(models);
     return true;
   } catch (e) {
+    if (e.code === "unreachable") return false; // watchServer says so
     setStatus(e.status === 401 ? `${e.message} (type the server's API key above)` : e.message, true);
     for (const p of Object.values(panels)) p.setModels?.([]);
     return false;
   }
 }
 
+const RETRY_MS = 2000;
+let retry = null; // timer while the server is unreachable
+
+/** Every call reports whether the server answered: when it stops, say so on the status line
+ * (instead of panels going blank), poll /health, and reload the models once it is back. */
+function watchServer() {
+  window.addEventListener("pie-media:reached", (e) => {
+    if (!e.detail && retry === null) {
+      document.body.dataset.server = "down";
+      setStatus(`${UNREACHABLE} Retrying every ${RETRY_MS / 1000} s…`, true);
+      retry = setInterval(() => api("/health").catch(() => {}), RETRY_MS);
+    } else if (e.detail && retry !== null) {
+      clearInterval(retry);
+      retry = null;
+      document.body.dataset.server = "up";
+      loadModels();
+    }
+  });
+}
+
 function init() {
+  watchServer();
   const tabs = [...document.querySelectorAll('[role="tab"]')];
   tabs.forEach((tab, i) => {
     tab.addEventListener("click", () => select(tab.id.slice(4)));

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import av
 import httpx
 import pytest
 
+from tests.api.http.conftest import Server, start_server, stop_server
 from tests.api.ui.conftest import PHONE, UPLOAD_LIMIT, UiServer, open_page
 
 QWEN = "tiny-qwen3-vl"
@@ -198,7 +201,6 @@ def test_mp3_plays_while_it_streams(page, ui_server: UiServer, shot) -> None:
     page.click("#speak-go")
     until(page, f"{AUDIO}.dataset.state === 'done'")
     times = speech_times(page)
-    print("speech timings (ms):", times)
     assert times["state"] == "done" and page.is_hidden("#speak-error")
     # the element started playing before the last byte arrived: it played the stream
     assert "playing" in times, times
@@ -318,6 +320,58 @@ def test_server_panel_draws_live_charts(page, ui_server: UiServer, shot) -> None
     assert len(points.split()) >= 2  # a line over time, not one number
     assert "ms" in page.inner_text(f".chart[data-chart='ttft'][data-model='{QWEN}'] .value")
     shot(page, "server")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spare_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[Server]]:
+    """The throwaway server that test_a_stopped_server_shows_unreachable stops, started in a
+    thread as the module begins: its ~10 s of start-up overlap the main server's instead of
+    adding to the module's time. (Session scope, autouse: set up before ``ui_server``.)"""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(start_server, tmp_path_factory.mktemp("spare"), models=("tiny",))
+        yield future
+        if future.exception() is None:
+            stop_server(future.result())
+
+
+def test_a_stopped_server_shows_unreachable(browser, spare_server: Future[Server], shot) -> None:
+    """A throwaway server (no key: loopback) stops under the open page: the status line says
+    the server is unreachable (not a blank or a stale "connected") and a panel's action
+    shows the same message."""
+    server = spare_server.result()
+    page = open_page(browser, UiServer(server, ""), None)
+    try:
+        page.wait_for_selector(f"#status:not(.bad):has-text('connected: {QWEN}')")
+        stop_server(server)
+        # nothing clicked: the Server panel's live refresh notices within its 2 s period
+        page.wait_for_selector("#status.bad:has-text('Server unreachable')", timeout=10_000)
+        assert server.url in page.inner_text("#status") and "Retrying" in page.inner_text("#status")
+        assert page.get_attribute("body", "data-server") == "down"
+        page.fill("#chat-input", "Anyone there?")
+        page.click("#chat-send")
+        err = page.wait_for_selector("#chat-error:not([hidden])")
+        assert "Server unreachable" in err.inner_text()
+        page.click("#tab-server")
+        page.wait_for_selector("#server-error:has-text('Server unreachable')")
+        shot(page, "server-down")
+        assert page.errors == []
+    finally:
+        page.context.close()
+        stop_server(server)
+
+
+def test_the_page_reconnects_when_the_server_answers_again(page) -> None:
+    """The network between page and server drops, then returns (Chromium's offline mode:
+    a second server start would cost ~10 s): unreachable, then connected again unprompted."""
+    page.click("#tab-chat")
+    page.context.set_offline(True)
+    try:
+        page.wait_for_selector("#status.bad:has-text('Server unreachable')", timeout=10_000)
+    finally:
+        page.context.set_offline(False)
+    page.wait_for_selector(f"#status:not(.bad):has-text('connected: {QWEN}')", timeout=10_000)
+    assert page.get_attribute("body", "data-server") == "up"
+    page.wait_for_selector("#server-error", state="hidden")
 
 
 def test_every_panel_fits_a_phone_and_tabs_take_the_keyboard(page) -> None:
