@@ -88,6 +88,7 @@ from speech.frame_head import GREEDY, FrameHead, FrameRequest, Sampling
 from speech.frames import frames as run_frames
 from speech.frames import is_end_frame
 from speech.job import SpeechJob, audio_identity, prompt_rows
+from speech.mimi_stream import stream_decoder_for
 
 # The text to speak may hold at most this many tokens (not counting context turns).
 MAX_SPEECH_TEXT_TOKENS = 1024
@@ -179,6 +180,8 @@ class SpeechModel:
         self.stats = SpeechStats()
         self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-mimi")
         """Mimi decodes of the async paths, one at a time beside the forward worker."""
+        self._mimi_stream = stream_decoder_for(hf.codec_model)
+        """Streams decode each frame once with it (None: a non-causal codec, left-context chunks)."""
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -511,6 +514,7 @@ class SpeechModel:
         loop = asyncio.get_running_loop()
         producer = asyncio.create_task(produce())
         done = 0  # frames already voiced
+        mimi = self._mimi_stream.start() if self._mimi_stream is not None else None
         try:
             while True:
                 while len(codes) - done < chunk_frames and not ended:
@@ -520,7 +524,7 @@ class SpeechModel:
                     break
                 end = min(len(codes), done + chunk_frames)
                 yield await loop.run_in_executor(
-                    self._decoder, self._chunk, codes[:end], done, context_frames
+                    self._decoder, self._chunk, codes[:end], done, context_frames, mimi
                 )
                 done = end
             await producer  # a failed pass is the stream's error
@@ -599,8 +603,11 @@ class SpeechModel:
             async for pcm in stream:
                 yield pcm
 
-    def _chunk(self, codes: list[list[int]], done: int, context_frames: int) -> np.ndarray:
-        start = max(0, done - context_frames)
+    def _chunk(self, codes: list[list[int]], done: int, context_frames: int, mimi: Any = None) -> np.ndarray:
+        if mimi is not None:  # the stream's decoder state: only the new frames, each once
+            pcm = self._mimi_stream.decode(mimi, np.asarray(codes[done:], dtype=np.int64))
+            return np.clip(pcm, -1.0, 1.0).astype(np.float32)
+        start = max(0, done - context_frames)  # a non-causal codec: re-decode left context
         pcm = self.decode(np.asarray(codes[start:], dtype=np.int64))
         new = (len(codes) - done) * self.samples_per_frame
         return np.clip(pcm[-new:], -1.0, 1.0).astype(np.float32)
