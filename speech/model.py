@@ -18,10 +18,12 @@ so many voices share batched passes.
    ``ceil(max_duration * frame_rate)`` frames. The audio ends before the first frame whose codebooks
    are ALL eos (``generate(output_audio=True)``'s cutoff), so an all-eos end frame is not voiced.
 4. Mimi decodes the codes to 24 kHz mono PCM. ``speak`` decodes once (bit-for-bit the reference's
-   decode); ``speak_stream`` decodes every ``chunk_frames`` frames with up to ``context_frames`` of
-   left context (Mimi's decoder is causal: with the whole prefix in the window the chunk equals the
-   full decode up to float reordering, ~1e-6; past the window the decoder transformer loses far
-   context and chunks drift slightly).
+   decode); ``speak_stream`` decodes every ``chunk_frames`` frames with a per-stream
+   ``speech.mimi_stream`` state (each causal conv's input tail, each transposed conv's overlap, the
+   decoder transformer's sliding-window KV cache), so each frame is decoded once and the chunks
+   join to the whole-clip decode up to float reordering (relative ~2e-6 on the tiny codec, exact
+   in float64). ``context_frames`` is used only for a non-causal codec, which cannot stream
+   exactly: its chunks are re-decoded with that much left context.
 
 Sampling: ``temperature == 0`` is greedy at both levels. ``temperature=None`` uses the checkpoint's
 generation_config (``do_sample``, ``temperature``, ``top_k`` and the ``depth_decoder_*`` ones; a
@@ -180,7 +182,7 @@ class SpeechModel:
         self.stats = SpeechStats()
         self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-mimi")
         """Mimi decodes of the async paths, one at a time beside the forward worker."""
-        self._mimi_stream = stream_decoder_for(hf.codec_model)
+        self.mimi_stream = stream_decoder_for(hf.codec_model)
         """Streams decode each frame once with it (None: a non-causal codec, left-context chunks)."""
 
     # -- loading ----------------------------------------------------------------------------
@@ -514,7 +516,7 @@ class SpeechModel:
         loop = asyncio.get_running_loop()
         producer = asyncio.create_task(produce())
         done = 0  # frames already voiced
-        mimi = self._mimi_stream.start() if self._mimi_stream is not None else None
+        mimi = self.mimi_stream.start() if self.mimi_stream is not None else None
         try:
             while True:
                 while len(codes) - done < chunk_frames and not ended:
@@ -577,8 +579,9 @@ class SpeechModel:
     ) -> Iterator[np.ndarray]:
         """Yield float32 PCM chunks of ``chunk_frames`` codec frames as they are generated.
 
-        Each chunk is decoded with up to ``context_frames`` frames of left context; the chunks
-        joined equal ``speak``'s clip (see the module docstring for the tolerance). Checks run
+        Each frame is decoded once by the stream's Mimi state (``context_frames``: left context
+        re-decoded per chunk, only for a non-causal codec); the chunks joined equal ``speak``'s
+        clip (see the module docstring for the tolerance). Checks run
         at the call, before the first ``next()``; the slot is taken at the first ``next()``.
         """
         chunk_frames = check_int("chunk_frames", chunk_frames, min=1)
@@ -605,7 +608,7 @@ class SpeechModel:
 
     def _chunk(self, codes: list[list[int]], done: int, context_frames: int, mimi: Any = None) -> np.ndarray:
         if mimi is not None:  # the stream's decoder state: only the new frames, each once
-            pcm = self._mimi_stream.decode(mimi, np.asarray(codes[done:], dtype=np.int64))
+            pcm = self.mimi_stream.decode(mimi, np.asarray(codes[done:], dtype=np.int64))
             return np.clip(pcm, -1.0, 1.0).astype(np.float32)
         start = max(0, done - context_frames)  # a non-causal codec: re-decode left context
         pcm = self.decode(np.asarray(codes[start:], dtype=np.int64))
