@@ -345,6 +345,7 @@ class Context:
         jump = matcher is not None and not sampler.is_custom
         with self._guard():
             await self._ensure_logits()
+        self._check_open()
         if drafter is not None:
             drafter.update(self.token_ids)
         assert self._last_logits is not None
@@ -365,6 +366,8 @@ class Context:
                 drafter.update([ev.token for ev in events])
             for ev in events:
                 yield ev
+                if ev.done is None:
+                    self._check_open()  # the consumer may close it while holding an event
             if events[-1].done is not None:
                 return
             drafts = []
@@ -383,6 +386,7 @@ class Context:
                 self.model.counters.fed_back_tokens += 1
                 with self._guard():
                     await self._prefill("last")
+                self._check_open()  # closed while that pass ran: its rows are gone
                 assert self._last_logits is not None
                 rows = [self._last_logits]
 
@@ -478,6 +482,7 @@ class Context:
             except BaseException:
                 self._drop_rows(start + 1)
                 raise
+        self._check_open()  # closed while the pass ran: its rows are gone
         self._n = end
         self._last_logits = self._last_hidden = self._argmax_hint = None
         counters = self.model.counters

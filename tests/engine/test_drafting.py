@@ -333,3 +333,28 @@ def test_verify_draft_returns_the_accepted_prefix_plus_the_next_token(qwen, gemm
                 ctx.close()
 
         run_sync(run())
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_closing_a_context_mid_stream_is_context_closed_and_frees_its_pages(qwen, with_drafter):
+    """Closing while a pass of the stream runs (plain or drafted step) ends the stream with
+    ContextClosedError, not an internal assertion, and the pages come back."""
+    from engine import ContextClosedError
+
+    before = qwen.pool_stats().in_use
+
+    async def main():
+        ctx = Context(qwen)
+        ctx.user(COPY)
+        ctx.cue()
+        drafter = PromptLookupDrafter(num_draft=4) if with_drafter else None
+        n = 0
+        with pytest.raises(ContextClosedError):
+            async for _ in ctx.stream(Sampler.greedy(), max_tokens=40, stop=None, drafter=drafter):
+                n += 1
+                if n == 3:
+                    ctx.close()
+        assert n == 3
+
+    asyncio.run(main())
+    assert qwen.pool_stats().in_use == before
