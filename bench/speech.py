@@ -263,8 +263,8 @@ class Timers:
         self._wrap(model.runner, "run", "pass")
         self._wrap(model.head, "run", "head")
         self._wrap(model, "decode", "mimi")
-        if getattr(model, "mimi_stream", None) is not None:  # streamed chunks: new frames only
-            self._wrap(model.mimi_stream, "decode", "mimi")
+        if getattr(model, "mimi_stream", None) is not None:  # streamed chunks: a batch per call
+            self._wrap(model.mimi_stream.decoder, "decode_many", "mimi")
 
     def reset(self) -> None:
         self.seconds = {"pass": 0.0, "head": 0.0, "mimi": 0.0}

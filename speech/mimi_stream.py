@@ -27,6 +27,9 @@ exactly: ``MimiStreamDecoder`` refuses it with ``NonCausalCodecError`` and
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +39,13 @@ from torch import nn
 
 from speech.errors import SpeechError
 
-__all__ = ["MimiStreamDecoder", "MimiStreamState", "NonCausalCodecError", "stream_decoder_for"]
+__all__ = [
+    "MimiStreamDecoder",
+    "MimiStreamState",
+    "NonCausalCodecError",
+    "StreamDecodeQueue",
+    "stream_decoder_for",
+]
 
 
 class NonCausalCodecError(SpeechError):
@@ -120,34 +129,64 @@ class MimiStreamDecoder:
         cache = DynamicCache(config=self.decoder.decoder_transformer.config)
         return MimiStreamState(convs=convs, cache=cache, tails=[None] * len(self.transposed))
 
-    @torch.no_grad()
     def decode(self, state: MimiStreamState, codes: np.ndarray | torch.Tensor) -> np.ndarray:
         """Float32 PCM (not clipped) of exactly ``frames * samples_per_frame`` new samples for
         the next ``codes`` (frames, codebooks) of the stream; ``state`` advances."""
-        codes = torch.as_tensor(np.asarray(codes), dtype=torch.long, device=self.device)
-        if codes.ndim != 2:
-            raise ValueError(f"codes must be (frames, codebooks), got shape {tuple(codes.shape)}")
-        if codes.shape[0] == 0:
-            return np.zeros(0, dtype=np.float32)
-        hidden = self.codec.quantizer.decode(codes.transpose(0, 1).unsqueeze(0))  # per frame: no state
+        return self.decode_many([state], [codes])[0]
+
+    @torch.no_grad()
+    def decode_many(
+        self, states: Sequence[MimiStreamState], codes: Sequence[np.ndarray | torch.Tensor]
+    ) -> list[np.ndarray]:
+        """``decode`` of several streams' next codes (distinct states) at once: chunks of the
+        same length share one batched pass through the quantizer and the convolutions (one
+        row per stream); the decoder transformer runs per stream, each on its own KV cache."""
+        if len({id(s) for s in states}) != len(states) or len(states) != len(codes):
+            raise ValueError("decode_many takes one chunk of codes per distinct stream state")
+        ids = [torch.as_tensor(np.asarray(c), dtype=torch.long, device=self.device) for c in codes]
+        for c in ids:
+            if c.ndim != 2:
+                raise ValueError(f"codes must be (frames, codebooks), got shape {tuple(c.shape)}")
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(ids)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, c in enumerate(ids):
+            if c.shape[0]:
+                groups.setdefault(tuple(c.shape), []).append(i)
+        for rows in groups.values():
+            pcm = self._decode_rows([states[i] for i in rows], torch.stack([ids[i] for i in rows]))
+            for i, row in zip(rows, pcm, strict=True):
+                out[i] = row
+        return out
+
+    def _decode_rows(self, states: list[MimiStreamState], codes: torch.Tensor) -> np.ndarray:
+        """(streams, frames, codebooks) codes -> (streams, samples) float32 PCM."""
+        hidden = self.codec.quantizer.decode(codes.transpose(1, 2))  # per frame: no state
         t = 0
         if self.decoder.upsample is not None:
-            hidden = self._transposed(state, t, hidden)
+            hidden = self._transposed(states, t, hidden)
             t += 1
-        out = self.decoder.decoder_transformer(hidden.transpose(1, 2), cache=state.cache, use_cache=True)
-        hidden = out.last_hidden_state.transpose(1, 2)
+        hidden = torch.cat(
+            [
+                self.decoder.decoder_transformer(
+                    hidden[i : i + 1].transpose(1, 2), cache=state.cache, use_cache=True
+                ).last_hidden_state.transpose(1, 2)
+                for i, state in enumerate(states)
+            ]
+        )
+        convs = states[0].convs if len(states) == 1 else _RowCaches([s.convs for s in states])
         for layer in self.decoder.decoder_seanet.layers:
             if isinstance(layer, self._tconv_cls):
-                hidden = self._transposed(state, t, hidden)
+                hidden = self._transposed(states, t, hidden)
                 t += 1
             elif isinstance(layer, self._conv_cls | self._block_cls):
-                hidden = layer(hidden, padding_cache=state.convs)  # transformers' streaming path
+                hidden = layer(hidden, padding_cache=convs)  # transformers' streaming path
             else:
                 hidden = layer(hidden)
-        state.frames += int(codes.shape[0])
-        return hidden[0, 0].float().cpu().numpy()
+        for state in states:
+            state.frames += int(codes.shape[1])
+        return hidden[:, 0].float().cpu().numpy()
 
-    def _transposed(self, state: MimiStreamState, index: int, hidden: torch.Tensor) -> torch.Tensor:
+    def _transposed(self, states: list[MimiStreamState], index: int, hidden: torch.Tensor) -> torch.Tensor:
         """A causal ``MimiConvTranspose1d`` over new input only (hand-written state handling).
 
         The full layer computes ``conv_transpose(x)`` and trims ``kernel - stride`` samples on
@@ -167,14 +206,69 @@ class MimiStreamDecoder:
             conv.dilation,
         )
         keep = hidden.shape[-1] * conv.stride[0]
-        tail = state.tails[index]
-        if tail is not None:
-            y[..., : tail.shape[-1]] += tail
-        state.tails[index] = y[..., keep:].clone()  # not a view: y is freed
+        for i, state in enumerate(states):
+            tail = state.tails[index]
+            if tail is not None:
+                y[i : i + 1, :, : tail.shape[-1]] += tail
+            state.tails[index] = y[i : i + 1, :, keep:].clone()  # not a view: y is freed
         y = y[..., :keep]
         if conv.bias is not None:
             y = y + conv.bias[:, None]
         return y
+
+
+class _RowCaches:
+    """Several streams' ``MimiConv1dPaddingCache``s as one, a batch row each: transformers'
+    own ``update`` per row (a new stream's replicate padding comes from its own row)."""
+
+    def __init__(self, caches: list[Any]):
+        self.caches = caches
+
+    def update(self, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return torch.cat([c.update(hidden_states[i : i + 1], layer_idx) for i, c in enumerate(self.caches)])
+
+
+class StreamDecodeQueue:
+    """Chunks of every stream decoded together: ``submit`` queues a stream's next codes, and
+    one job on ``executor`` (a single worker) decodes all chunks queued by then in one
+    ``decode_many``. While a batch decodes the next one gathers, so concurrent streams share
+    passes instead of paying a decode each."""
+
+    def __init__(self, decoder: MimiStreamDecoder, executor: Executor):
+        self.decoder = decoder
+        self.executor = executor
+        self._pending: list[tuple[MimiStreamState, np.ndarray, Future[np.ndarray]]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def start(self) -> MimiStreamState:
+        return self.decoder.start()
+
+    def submit(self, state: MimiStreamState, codes: np.ndarray) -> Future[np.ndarray]:
+        """The float32 PCM (not clipped) of ``codes``, the stream's next frames, when decoded.
+        A stream submits its next chunk only after this one's result (its state is in use)."""
+        future: Future[np.ndarray] = Future()
+        with self._lock:
+            self._pending.append((state, np.asarray(codes, dtype=np.int64), future))
+            if not self._scheduled:
+                self._scheduled = True
+                self.executor.submit(self._drain)
+        return future
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._pending, self._scheduled = self._pending, [], False
+        batch = [b for b in batch if b[2].set_running_or_notify_cancel()]  # a cancelled stream's: dropped
+        if not batch:
+            return
+        try:
+            pcm = self.decoder.decode_many([b[0] for b in batch], [b[1] for b in batch])
+        except BaseException as e:  # every stream of the batch fails with it
+            for b in batch:
+                b[2].set_exception(e)
+            return
+        for b, row in zip(batch, pcm, strict=True):
+            b[2].set_result(row)
 
 
 def stream_decoder_for(codec_model: Any) -> MimiStreamDecoder | None:

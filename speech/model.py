@@ -90,7 +90,7 @@ from speech.frame_head import GREEDY, FrameHead, FrameRequest, Sampling
 from speech.frames import frames as run_frames
 from speech.frames import is_end_frame
 from speech.job import SpeechJob, audio_identity, prompt_rows
-from speech.mimi_stream import stream_decoder_for
+from speech.mimi_stream import StreamDecodeQueue, stream_decoder_for
 
 # The text to speak may hold at most this many tokens (not counting context turns).
 MAX_SPEECH_TEXT_TOKENS = 1024
@@ -182,8 +182,10 @@ class SpeechModel:
         self.stats = SpeechStats()
         self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-mimi")
         """Mimi decodes of the async paths, one at a time beside the forward worker."""
-        self.mimi_stream = stream_decoder_for(hf.codec_model)
-        """Streams decode each frame once with it (None: a non-causal codec, left-context chunks)."""
+        stream_decoder = stream_decoder_for(hf.codec_model)
+        self.mimi_stream = StreamDecodeQueue(stream_decoder, self._decoder) if stream_decoder else None
+        """Streams decode each frame once, batched on the decode worker (None: a non-causal
+        codec; its chunks are re-decoded with left context)."""
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -525,9 +527,13 @@ class SpeechModel:
                 if len(codes) == done:
                     break
                 end = min(len(codes), done + chunk_frames)
-                yield await loop.run_in_executor(
-                    self._decoder, self._chunk, codes[:end], done, context_frames, mimi
-                )
+                if mimi is not None:  # the stream's decoder state: only the new frames, each once
+                    pcm = await asyncio.wrap_future(self.mimi_stream.submit(mimi, codes[done:end]))
+                    yield np.clip(pcm, -1.0, 1.0).astype(np.float32)
+                else:
+                    yield await loop.run_in_executor(
+                        self._decoder, self._chunk, codes[:end], done, context_frames
+                    )
                 done = end
             await producer  # a failed pass is the stream's error
         finally:
@@ -606,10 +612,7 @@ class SpeechModel:
             async for pcm in stream:
                 yield pcm
 
-    def _chunk(self, codes: list[list[int]], done: int, context_frames: int, mimi: Any = None) -> np.ndarray:
-        if mimi is not None:  # the stream's decoder state: only the new frames, each once
-            pcm = self.mimi_stream.decode(mimi, np.asarray(codes[done:], dtype=np.int64))
-            return np.clip(pcm, -1.0, 1.0).astype(np.float32)
+    def _chunk(self, codes: list[list[int]], done: int, context_frames: int) -> np.ndarray:
         start = max(0, done - context_frames)  # a non-causal codec: re-decode left context
         pcm = self.decode(np.asarray(codes[start:], dtype=np.int64))
         new = (len(codes) - done) * self.samples_per_frame

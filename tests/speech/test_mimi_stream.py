@@ -15,13 +15,14 @@ Tolerances (measured on this machine, 40-frame clips, chunks of 1, 2, 3 and 5 fr
 from __future__ import annotations
 
 import copy
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from speech import SpeechError, audio_cutoff
-from speech.mimi_stream import MimiStreamDecoder, NonCausalCodecError, stream_decoder_for
+from speech.mimi_stream import MimiStreamDecoder, NonCausalCodecError, StreamDecodeQueue, stream_decoder_for
 
 F64_ATOL = 1e-5
 F32_RTOL = 1e-5
@@ -172,6 +173,55 @@ def test_streams_are_independent(tiny_codec):
         np.testing.assert_allclose(np.concatenate(got), whole, rtol=0, atol=F32_RTOL * np.abs(whole).max())
 
 
+def test_decode_many_batches_streams_at_any_point(other_codec):
+    """Streams at different positions, chunks of different lengths in one call: each joins
+    to its own whole clip (a new stream's replicate padding comes from its own row)."""
+    decoder = MimiStreamDecoder(other_codec)
+    clips = [_codes(3, 32, seed=10 + k) for k in range(3)]
+    states = [decoder.start() for _ in clips]
+    parts: list[list[np.ndarray]] = [[], [], []]
+    at = [0, 0, 0]
+    rounds = [[(0, 1), (1, 2)], [(0, 3), (1, 2), (2, 2)], [(2, 1), (0, 2)], [(0, 5), (1, 1), (2, 2)]]
+    for rows in rounds:  # (stream, frames) per row; a stream joins late (2), lengths differ
+        chunks = [clips[k][at[k] : at[k] + n] for k, n in rows]
+        for (k, n), pcm in zip(rows, decoder.decode_many([states[k] for k, _ in rows], chunks), strict=True):
+            parts[k].append(pcm)
+            at[k] += n
+    for k, codes in enumerate(clips):
+        done = codes[: at[k]]
+        whole = _whole(other_codec, done)
+        got = np.concatenate(parts[k]).astype(np.float64)
+        np.testing.assert_allclose(got, whole, rtol=0, atol=F32_RTOL * np.abs(whole).max(), err_msg=f"{k}")
+    with pytest.raises(ValueError):
+        decoder.decode_many([states[0], states[0]], [clips[0][:1], clips[0][1:2]])
+
+
+def test_queue_decodes_every_stream_and_drops_cancelled(tiny_codec):
+    from concurrent.futures import ThreadPoolExecutor
+
+    decoder = MimiStreamDecoder(tiny_codec)
+    clips = [_codes(4, 64, seed=20 + k) for k in range(4)]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        queue = StreamDecodeQueue(decoder, pool)
+        states = [queue.start() for _ in clips]
+        parts: list[list[np.ndarray]] = [[] for _ in clips]
+        for i in range(0, 6, 2):
+            futures = [queue.submit(st, c[i : i + 2]) for st, c in zip(states, clips, strict=True)]
+            for k, f in enumerate(futures):
+                parts[k].append(f.result(timeout=30))
+        blocker = pool.submit(time.sleep, 0.2)  # the worker is busy: the next submit waits
+        dropped = queue.submit(decoder.start(), clips[0][:2])
+        assert dropped.cancel()
+        kept = queue.submit(states[1], clips[1][6:8])
+        blocker.result()
+        parts[1].append(kept.result(timeout=30))
+    for k, codes in enumerate(clips):
+        got = np.concatenate(parts[k])
+        whole = _whole(tiny_codec, codes[: len(got) // decoder.samples_per_frame])
+        np.testing.assert_allclose(got, whole, rtol=0, atol=F32_RTOL * np.abs(whole).max())
+    assert states[1].frames == 8 and states[0].frames == 6
+
+
 def test_empty_and_bad_shapes(tiny_codec):
     decoder = MimiStreamDecoder(tiny_codec)
     state = decoder.start()
@@ -192,7 +242,7 @@ def test_non_causal_codec_is_refused(overrides):
 
 def test_speech_model_streams_with_it(csm):
     """The model's streamed chunks come from the stream decoder: equal to it frame for frame."""
-    assert isinstance(csm.mimi_stream, MimiStreamDecoder)
+    assert isinstance(csm.mimi_stream.decoder, MimiStreamDecoder)
     chunks = list(csm.speak_stream("Hello there.", 1, max_duration=0.8, temperature=0, chunk_frames=3))
     clip = csm.speak("Hello there.", 1, max_duration=0.8, temperature=0)
     assert [len(c) for c in chunks][:-1] == [3 * 1920] * (len(chunks) - 1)
