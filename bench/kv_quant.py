@@ -11,7 +11,8 @@ the same. Ratios are printed against the first kv dtype listed.
 Checkpoint: the random Qwen3-VL-shaped ones of ``bench/quant.py`` (8 kv heads x 128,
 so 8 KiB of float32 K+V per row and layer): by default the small one (hidden 256, 2
 layers, MLP 512) where, at 8k rows, K/V reads are as large as the weight reads;
-``--checkpoint-dir`` for another (``bench/gpu/check.sh`` passes the 2B one on CUDA);
+``--checkpoint-dir``: the random 2B one of ``bench/gpu/bench.py`` (built there once if
+absent; ``bench/gpu/check.sh`` passes its shared folder on CUDA);
 ``--smoke``: the tiny fixture model.
 
     python bench/kv_quant.py [--context 8192] [--batch 2] [--json bench/results/kv_quant_cpu.json]
@@ -20,6 +21,7 @@ layers, MLP 512) where, at 8k rows, K/V reads are as large as the weight reads;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -36,9 +38,14 @@ SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
 BUDGET = 1 << 30
 
 
-def checkpoint(args: argparse.Namespace) -> Path:
-    if args.checkpoint_dir is not None:
-        return args.checkpoint_dir
+def checkpoint(args: argparse.Namespace, stack: contextlib.ExitStack) -> Path:
+    if args.checkpoint_dir is not None:  # the 2B one of bench/gpu/bench.py, built there once
+        from bench.gpu.bench import checkpoint_dir
+
+        dtype = getattr(torch, args.dtype)
+        return stack.enter_context(
+            checkpoint_dir(args.checkpoint_dir, smoke=False, device=args.device, dtype=dtype)
+        )
     if args.smoke:
         from fixtures.tiny_models import ensure_tiny_model
 
@@ -126,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     args.context = args.context or (256 if args.smoke else 8192)
     args.tokens = args.tokens or (4 if args.smoke else 16)
     kvs = (args.kv_dtypes or ("auto,fp8_e4m3" if cuda else "float32,bfloat16,int8,fp8_e4m3")).split(",")
-    path = checkpoint(args)
+    with contextlib.ExitStack() as stack:
+        return report(args, kvs, checkpoint(args, stack))
+
+
+def report(args: argparse.Namespace, kvs: list[str], path: Path) -> int:
     run_one(path, kvs[0], args)  # warm-up (first-use costs of the process), not reported
     rows = {}
     for kv in kvs:

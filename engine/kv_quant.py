@@ -133,4 +133,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
         return q.to(dtype)
     if scale.dim():
         scale = scale.unsqueeze(-1)
-    return (q.to(SCALE_DTYPE) * scale).to(dtype)
+    if q.dtype == torch.int8:  # int8 * float32 promotes in the one multiply (no converted copy)
+        return (q * scale).to(dtype)
+    return (q.to(SCALE_DTYPE) * scale).to(dtype)  # float8 takes no type promotion

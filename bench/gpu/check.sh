@@ -62,7 +62,7 @@ PY
   rm -f "$STEPS"
 }
 
-run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/profile_decode.py bench/speech.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py bench/quant.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py tests/speech/test_depth_graphs.py" || { finish broken; exit 2; }
+run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/profile_decode.py bench/speech.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py bench/quant.py bench/kv_quant.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py tests/speech/test_depth_graphs.py" || { finish broken; exit 2; }
 
 check_wheels() {
   if ! ls "$WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
@@ -116,6 +116,8 @@ if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_a
     "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py 2>&1 | tail -3"
   run_step "GPU bench smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
   run_step "quantized weight layers smoke (CPU)" "${RUN_AS_THERE[@]}" bench/quant.py --layers-only --device cpu
+  run_step "KV-cache dtypes smoke (CPU, tiny model: float32/bf16/int8/fp8 KV)" "${RUN_AS_THERE[@]}" \
+    bench/kv_quant.py --smoke --device cpu --json "$OUT_DIR/kv_quant_smoke.json"
   run_step "decode profile smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/profile_decode.py --smoke --out "$OUT_DIR"
   run_step "speech concurrency smoke (CPU, tiny CSM)" "${RUN_AS_THERE[@]}" bench/speech.py --concurrency 1,2 \
     --frames 2 --no-http --no-single --out "$OUT_DIR/speech_smoke.json"
@@ -145,6 +147,10 @@ if wants bench; then
   # ms at 1 and 256 rows, error): the first CUDA run of engine.quantization's kernels.
   run_step "quantized weight layers (CUDA: fp8 scaled_mm, int8/int4 pack kernels)" timeout 120 \
     "$PY" bench/quant.py --layers-only --json "$OUT_DIR/quant_layers_cuda.json"
+  # fp8 KV beside bf16 KV (flashinfer reads the fp8 pages in place): decode tok/s of 8
+  # contexts at 8k rows on the 2B checkpoint, bytes per row, logits agreement.
+  run_step "fp8 KV vs bf16 KV decode (CUDA, flashinfer)" timeout 180 "$PY" bench/kv_quant.py \
+    --checkpoint-dir "$CKPT" --kv-dtypes auto,fp8_e4m3 --context 8192 --batch 8 --json "$OUT_DIR/kv_quant_cuda.json"
 fi
 if wants profile; then
   # Where a decode pass's time goes at concurrency 32 (host-bound or GPU-bound: whether
