@@ -196,6 +196,23 @@ def test_decode_many_batches_streams_at_any_point(other_codec):
         decoder.decode_many([states[0], states[0]], [clips[0][:1], clips[0][1:2]])
 
 
+def test_lockstep_streams_share_the_transformer_past_its_window(other_codec):
+    """Streams at the same position run the decoder transformer as one batch (caches stacked
+    and split back), far past the 6-position sliding window."""
+    decoder = MimiStreamDecoder(other_codec)
+    clips = [_codes(3, 32, seed=30 + k) for k in range(3)]
+    states = [decoder.start() for _ in clips]
+    parts: list[list[np.ndarray]] = [[] for _ in clips]
+    for i in range(0, FRAMES, 2):
+        for k, pcm in enumerate(decoder.decode_many(states, [c[i : i + 2] for c in clips])):
+            parts[k].append(pcm)
+    for k, codes in enumerate(clips):
+        whole = _whole(other_codec, codes)
+        got = np.concatenate(parts[k]).astype(np.float64)
+        np.testing.assert_allclose(got, whole, rtol=0, atol=F32_RTOL * np.abs(whole).max(), err_msg=f"{k}")
+    assert all(len(layer.keys[0, 0]) == 5 for s in states for layer in s.cache.layers)  # window - 1 kept
+
+
 def test_queue_decodes_every_stream_and_drops_cancelled(tiny_codec):
     from concurrent.futures import ThreadPoolExecutor
 
