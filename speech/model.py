@@ -22,7 +22,8 @@ so many voices share batched passes.
    ``speech.mimi_stream`` state (each causal conv's input tail, each transposed conv's overlap, the
    decoder transformer's sliding-window KV cache), so each frame is decoded once and the chunks
    join to the whole-clip decode up to float reordering (relative ~2e-6 on the tiny codec, exact
-   in float64). ``context_frames`` is used only for a non-causal codec, which cannot stream
+   in float64); the chunks of concurrent streams are decoded together, a batch row each, on the
+   decode worker. ``context_frames`` is used only for a non-causal codec, which cannot stream
    exactly: its chunks are re-decoded with that much left context.
 
 Sampling: ``temperature == 0`` is greedy at both levels. ``temperature=None`` uses the checkpoint's
