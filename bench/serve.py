@@ -1,13 +1,31 @@
-"""The HTTP layer's cost: N concurrent ``openai`` async clients against a running
-``pie-media serve`` vs the same requests through the in-process engine, in one run.
+"""The HTTP layer's cost, judged on the server: CPU-seconds per generated token of a
+``pie-media serve`` process under HTTP load vs an in-process engine running the same
+requests, each in a process of its own.
 
-Both sides run the same model (tiny Qwen3-VL by default), the same requests (half with
-an image, greedy, ``ignore_eos`` so every request generates exactly ``--max-tokens``) at
-the same concurrency. Printed: tokens/s, requests/s, TTFT p50/p99 for each, and the
-HTTP/in-process throughput ratio (aim: the HTTP overhead under 10% at concurrency 16).
-The server runs in a subprocess on 127.0.0.1; the in-process side runs while it idles.
+Three processes besides this one:
+
+- the server (``pie-media serve`` under uvicorn on 127.0.0.1, as ``tests/api/http`` runs it);
+- a load client: raw ``httpx`` streaming POSTs of pre-built chat-completion bodies, counting
+  bytes and SSE events only (no JSON is parsed, no ``openai`` client), so the client's own
+  work is neither in the server's figure nor competing for the measured process's time
+  more than it must;
+- an engine process: the same model loaded with the server's options, the same requests
+  through ``engine.Completion`` (the server's chat code path) with the same params, and no
+  client at all.
+
+Requests: half carry an image as a ``data:`` URL (decoded once on each side: the server
+keeps decoded media by content hash; the engine process decodes each file once), greedy,
+``ignore_eos`` so every request generates exactly ``--max-tokens``. Each side runs one
+unmeasured warm-up round, then ``--rounds`` measured rounds, alternating. CPU-seconds are
+utime+stime of all threads (and any descendants) from ``/proc/<pid>/stat`` before and
+after a round; the server's generated tokens are cross-checked with the delta of its
+``/metrics`` ``pie_media_generated_tokens_total``. Printed: CPU-s/token both ways, their
+ratio and the overhead % (aim < 10% at concurrency 16), wall tokens/s both ways, the
+server's idle CPU rate; saved to ``bench/results/serve_cpu.json``.
 
     .venv/bin/python bench/serve.py [--concurrency 16] [--requests 64] [--max-tokens 32]
+    .venv/bin/python bench/serve.py --openai-clients   # the older throughput rows (openai
+                                                       # clients in this process vs in-process)
 """
 
 from __future__ import annotations
@@ -15,6 +33,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import json
+import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -24,13 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fixtures.samples import ensure_samples  # noqa: E402
-from tests.api.http.conftest import start_server, stop_server  # noqa: E402
-
 IMAGES = ("photo_640x480.jpg", "rgba.png", "cmyk.jpg", "gray.png")
+RESULTS = ROOT / "bench" / "results" / "serve_cpu.json"
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _requests(n: int, samples: Path) -> list[tuple[str | None, str]]:
+def _requests(n: int) -> list[tuple[str | None, str]]:
     """(image file name or None, question) per request."""
     return [(IMAGES[i % len(IMAGES)] if i % 2 else None, f"Question {i}: what do you see?") for i in range(n)]
 
@@ -40,7 +60,309 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def _http(base: str, reqs, samples: Path, concurrency: int, max_tokens: int, model: str):
+# --- CPU accounting ----------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, utime+stime seconds of all its threads) from /proc/<pid>/stat."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()  # the name may hold spaces; fields from 3 on
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def process_tree_cpu(pid: int) -> float:
+    """CPU-seconds (user + system, every thread) of ``pid`` and its live descendants."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            s = _stat(int(entry.name))
+            if s is not None:
+                parents[int(entry.name)], cpu[int(entry.name)] = s
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(cpu.get(p, 0.0) for p in tree)
+
+
+# --- the load client (its own process; parses no JSON) ----------------------------------
+
+
+def _data_url(path: Path) -> str:
+    mime = "image/jpeg" if path.suffix == ".jpg" else "image/png"
+    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _bodies(reqs, samples: Path, model: str, max_tokens: int) -> list[bytes]:
+    urls = {n: _data_url(samples / "images" / n) for n in IMAGES}
+    out = []
+    for image, text in reqs:
+        content: list = [{"type": "text", "text": text}]
+        if image:
+            content.insert(0, {"type": "image_url", "image_url": {"url": urls[image]}})
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        out.append(json.dumps(body).encode())
+    return out
+
+
+async def _load(url: str, bodies: list[bytes], concurrency: int) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    gate = asyncio.Semaphore(concurrency)
+    firsts: list[float] = []
+    totals = {"bytes": 0, "events": 0, "failed": 0}
+    headers = {"content-type": "application/json"}
+
+    async def one(client: httpx.AsyncClient, body: bytes) -> None:
+        async with gate:
+            t0 = time.perf_counter()
+            async with client.stream("POST", url, content=body, headers=headers) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    totals["failed"] += 1
+                    return
+                first, tail = None, b""
+                async for chunk in r.aiter_raw():
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    totals["bytes"] += len(chunk)
+                    totals["events"] += (tail + chunk).count(b"\n\n")  # one blank line ends an event
+                    tail = chunk[-1:] if chunk[-1:] == b"\n" else b""
+                firsts.append(first if first is not None else time.perf_counter() - t0)
+
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(client, b) for b in bodies))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "first_byte_s": firsts, **totals}
+
+
+def _client_worker(conn, url: str, bodies: list[bytes], concurrency: int) -> None:
+    """Runs a round per ``"go"`` it receives and sends back what it counted."""
+    while conn.recv() == "go":
+        conn.send(asyncio.run(_load(url, bodies, concurrency)))
+
+
+# --- the engine process (no client, no HTTP) ----------------------------------------------
+
+
+async def _engine_round(model, images, reqs, concurrency: int, max_tokens: int) -> dict:
+    from engine import Completion, CompletionParams, Turn
+
+    gate = asyncio.Semaphore(concurrency)
+    firsts: list[float] = []
+    tokens = 0
+
+    async def one(image: str | None, text: str) -> None:
+        nonlocal tokens
+        parts = (images[image], text) if image else (text,)
+        async with gate:
+            t0 = time.perf_counter()
+            first = None
+            params = CompletionParams(max_tokens=max_tokens, ignore_eos=True)  # greedy by default
+            async with Completion(model, [Turn("user", parts)], params) as c:
+                async for _ev in c:
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    tokens += 1
+            firsts.append(first if first is not None else time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, t) for i, t in reqs))
+    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "first_token_s": firsts}
+
+
+def _engine_worker(conn, model_ref: str, samples: str, reqs, concurrency: int, max_tokens: int) -> None:
+    """Loads the model as the server does, then runs a round per ``"go"``, measuring its own
+    CPU-seconds around each."""
+    import torch
+
+    from api.http.settings import ServeSettings
+    from api.model_ref import load_model
+    from media import Image
+
+    torch.set_num_threads(1)  # the server runs with OMP_NUM_THREADS=1
+    model = load_model(model_ref, **ServeSettings(models=[model_ref]).model_load_options())
+    images = {n: Image.from_bytes((Path(samples) / "images" / n).read_bytes()) for n in IMAGES}
+    conn.send("ready")
+    while conn.recv() == "go":
+        cpu0 = process_tree_cpu(os.getpid())
+        row = asyncio.run(_engine_round(model, images, reqs, concurrency, max_tokens))
+        row["cpu_s"] = process_tree_cpu(os.getpid()) - cpu0
+        conn.send(row)
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def _generated_total(base: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pie_media_generated_tokens_total")
+    )
+
+
+def _cpu_main(args: argparse.Namespace) -> None:
+    from fixtures.samples import ensure_samples
+    from tests.api.http.conftest import start_server, stop_server
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # the spawned engine process, like the server
+    samples = ensure_samples()
+    reqs = _requests(args.requests)
+    expected = args.requests * args.max_tokens
+    ctx = mp.get_context("spawn")
+    tmp = Path(tempfile.mkdtemp(prefix="pie-bench-serve-"))
+    server = start_server(tmp, "--max-concurrency", str(max(args.concurrency, 1) * 2), models=(args.model,))
+    procs = []
+    try:
+        import httpx
+
+        served = httpx.get(f"{server.v1}/models").json()["data"][0]["id"]
+        bodies = _bodies(reqs, samples, served, args.max_tokens)
+
+        client_conn, child = ctx.Pipe()
+        client = ctx.Process(
+            target=_client_worker, args=(child, f"{server.v1}/chat/completions", bodies, args.concurrency)
+        )
+        engine_conn, child2 = ctx.Pipe()
+        engine = ctx.Process(
+            target=_engine_worker,
+            args=(child2, args.model, str(samples), reqs, args.concurrency, args.max_tokens),
+        )
+        procs = [(client, client_conn), (engine, engine_conn)]
+        client.start()
+        engine.start()
+        assert engine_conn.recv() == "ready"
+
+        def http_round() -> dict:
+            tok0 = _generated_total(server.url)
+            cpu0 = process_tree_cpu(server.process.pid)
+            client_conn.send("go")
+            row = client_conn.recv()
+            row["cpu_s"] = process_tree_cpu(server.process.pid) - cpu0
+            row["tokens_metrics"] = _generated_total(server.url) - tok0
+            if row["failed"]:
+                raise RuntimeError(f"{row['failed']} HTTP requests failed:\n{server.log_text()[-3000:]}")
+            return row
+
+        def engine_round() -> dict:
+            engine_conn.send("go")
+            return engine_conn.recv()
+
+        time.sleep(1.0)
+        c0 = process_tree_cpu(server.process.pid)
+        time.sleep(args.idle_s)
+        idle_rate = (process_tree_cpu(server.process.pid) - c0) / args.idle_s
+
+        http_round(), engine_round()  # warm-up: first-call costs on both sides
+        http_rows, engine_rows = [], []
+        for _ in range(args.rounds):
+            http_rows.append(http_round())
+            engine_rows.append(engine_round())
+    finally:
+        for proc, conn in procs:
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+        stop_server(server)
+
+    for r in http_rows:
+        r["tokens"] = expected
+        if abs(r["tokens_metrics"] - expected) > 0.5:
+            raise RuntimeError(f"server counted {r['tokens_metrics']} generated tokens, expected {expected}")
+        r["cpu_s_per_token"] = r["cpu_s"] / expected
+        r["tok_s"] = expected / r["wall_s"]
+    for r in engine_rows:
+        if r["tokens"] != expected:
+            raise RuntimeError(f"engine generated {r['tokens']} tokens, expected {expected}")
+        r["cpu_s_per_token"] = r["cpu_s"] / expected
+        r["tok_s"] = expected / r["wall_s"]
+
+    def med(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    http_cpt, local_cpt = med(http_rows, "cpu_s_per_token"), med(engine_rows, "cpu_s_per_token")
+    ratio = http_cpt / local_cpt
+    summary = {
+        "server_cpu_s_per_token": http_cpt,
+        "in_process_cpu_s_per_token": local_cpt,
+        "ratio": ratio,
+        "overhead_pct": 100 * (ratio - 1),
+        "aim_overhead_pct": 10,
+        "http_tok_s": med(http_rows, "tok_s"),
+        "in_process_tok_s": med(engine_rows, "tok_s"),
+        "server_idle_cpu_s_per_s": idle_rate,
+        "http_first_byte_p50_ms": 1e3 * statistics.median(x for r in http_rows for x in r["first_byte_s"]),
+        "in_process_first_token_p50_ms": 1e3
+        * statistics.median(x for r in engine_rows for x in r["first_token_s"]),
+    }
+    print(
+        f"{args.requests} requests (half with an image), {args.max_tokens} tokens each, concurrency "
+        f"{args.concurrency}, model {args.model}; medians of {args.rounds} alternating rounds after a warm-up"
+    )
+    print(
+        f"server over HTTP  {http_cpt * 1e3:8.3f} ms CPU/token  {summary['http_tok_s']:8.1f} tok/s wall  "
+        f"({http_rows[0]['events']} SSE events, {http_rows[0]['bytes']} bytes per round)"
+    )
+    print(
+        f"in-process engine {local_cpt * 1e3:8.3f} ms CPU/token  {summary['in_process_tok_s']:8.1f} tok/s wall"
+    )
+    print(
+        f"server / in-process CPU per token: {ratio:.3f}  (HTTP layer overhead {summary['overhead_pct']:.1f}%, "
+        f"aim < 10%)"
+    )
+    print(f"server idle: {idle_rate * 1e3:.1f} ms CPU per s (in the HTTP figure, not subtracted)")
+    strip = ("first_byte_s", "first_token_s")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "config": {
+                    "model": args.model,
+                    "requests": args.requests,
+                    "max_tokens": args.max_tokens,
+                    "concurrency": args.concurrency,
+                    "rounds": args.rounds,
+                    "cpus": os.cpu_count(),
+                },
+                "summary": summary,
+                "http_rounds": [{k: v for k, v in r.items() if k not in strip} for r in http_rows],
+                "in_process_rounds": [{k: v for k, v in r.items() if k not in strip} for r in engine_rows],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"saved {RESULTS.relative_to(ROOT)}")
+
+
+# --- the older throughput rows: openai clients in this process (--openai-clients) ----------
+
+
+async def _openai_http(base: str, reqs, samples: Path, concurrency: int, max_tokens: int, model: str):
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="bench", max_retries=0, timeout=600)
@@ -83,34 +405,6 @@ async def _http(base: str, reqs, samples: Path, concurrency: int, max_tokens: in
     return wall, tokens, ttfts
 
 
-async def _in_process(model, reqs, samples: Path, concurrency: int, max_tokens: int):
-    from engine import Completion, CompletionParams, Turn
-    from media import Image
-
-    images = {n: Image.from_path(samples / "images" / n) for n in IMAGES}
-    gate = asyncio.Semaphore(concurrency)
-    ttfts: list[float] = []
-    tokens = 0
-
-    async def one(image: str | None, text: str) -> None:
-        nonlocal tokens
-        parts = (images[image], text) if image else (text,)
-        async with gate:
-            t0 = time.perf_counter()
-            first = None
-            params = CompletionParams(max_tokens=max_tokens, ignore_eos=True)
-            async with Completion(model, [Turn("user", parts)], params) as c:
-                async for _ev in c:
-                    if first is None:
-                        first = time.perf_counter() - t0
-                    tokens += 1
-            ttfts.append(first if first is not None else time.perf_counter() - t0)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(i, t) for i, t in reqs))
-    return time.perf_counter() - t0, tokens, ttfts
-
-
 def _row(name: str, wall: float, tokens: int, n: int, ttfts: list[float]) -> tuple[str, float]:
     tps = tokens / wall
     line = (
@@ -120,25 +414,19 @@ def _row(name: str, wall: float, tokens: int, n: int, ttfts: list[float]) -> tup
     return line, tps
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument(
-        "--rounds", type=int, default=2, help="alternate HTTP / in-process this many times; medians"
-    )
-    args = ap.parse_args()
-
+def _openai_main(args: argparse.Namespace) -> None:
     import torch
 
     from api.model_ref import load_model
+    from fixtures.samples import ensure_samples
+    from media import Image
+    from tests.api.http.conftest import start_server, stop_server
 
     torch.set_num_threads(1)
     samples = ensure_samples()
-    reqs = _requests(args.requests, samples)
+    reqs = _requests(args.requests)
     model = load_model(args.model)
+    images = {n: Image.from_path(samples / "images" / n) for n in IMAGES}
     tmp = Path(tempfile.mkdtemp(prefix="pie-bench-serve-"))
     server = start_server(tmp, "--max-concurrency", str(max(args.concurrency, 1) * 2), models=(args.model,))
     try:
@@ -148,11 +436,10 @@ def main() -> None:
         http_rows, local_rows = [], []
         for _ in range(args.rounds):
             http_rows.append(
-                asyncio.run(_http(server.v1, reqs, samples, args.concurrency, args.max_tokens, served))
+                asyncio.run(_openai_http(server.v1, reqs, samples, args.concurrency, args.max_tokens, served))
             )
-            local_rows.append(
-                asyncio.run(_in_process(model, reqs, samples, args.concurrency, args.max_tokens))
-            )
+            r = asyncio.run(_engine_round(model, images, reqs, args.concurrency, args.max_tokens))
+            local_rows.append((r["wall_s"], r["tokens"], r["first_token_s"]))
     finally:
         stop_server(server)
 
@@ -161,7 +448,8 @@ def main() -> None:
 
     print(
         f"{args.requests} requests (half with an image), {args.max_tokens} tokens each, concurrency "
-        f"{args.concurrency}, model {args.model}; median of {args.rounds} alternating rounds"
+        f"{args.concurrency}, model {args.model}; median of {args.rounds} alternating rounds; "
+        "openai clients in this process"
     )
     line_h, tps_h = _row("HTTP", *median_run(http_rows)[:2], args.requests, median_run(http_rows)[2])
     line_l, tps_l = _row("in-process", *median_run(local_rows)[:2], args.requests, median_run(local_rows)[2])
@@ -170,6 +458,28 @@ def main() -> None:
     print(
         f"HTTP / in-process throughput: {tps_h / tps_l:.3f}  (overhead {100 * (1 - tps_h / tps_l):.1f}%, aim < 10%)"
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="alternate HTTP / in-process this many times; medians"
+    )
+    ap.add_argument(
+        "--idle-s", type=float, default=3.0, help="seconds the server's idle CPU rate is measured"
+    )
+    ap.add_argument(
+        "--openai-clients",
+        action="store_true",
+        help="the older throughput comparison: openai clients in this process (their SSE/JSON parsing "
+        "shares the cores), nothing saved",
+    )
+    args = ap.parse_args()
+    (_openai_main if args.openai_clients else _cpu_main)(args)
 
 
 if __name__ == "__main__":
