@@ -57,5 +57,26 @@ def quantize_at_load(
         return "fp8"
     assert method is not None
     quantize_language_model(hf, language_model, method, device=device)
+    if device.type == "cpu":
+        _detach_from_checkpoint_file(hf)
     check_kernels(hf)
     return method
+
+
+@torch.no_grad()
+def _detach_from_checkpoint_file(hf: Any) -> None:
+    """Copy the weights that stay float out of the checkpoint's memory map.
+
+    On the CPU, ``from_pretrained`` leaves weights whose dtype matches the file as views of
+    the safetensors mapping. Quantization drops the float linear layers, but the mapping
+    stays alive through the towers and embeddings that remain, and every page of it read
+    while loading stays in the process's resident set: measured on the 2B-shaped
+    checkpoint, int8 sat at 11.4 GiB RSS (float32: 11.0) although its weights are 4.3 GiB.
+    Copying the rest (~3 GB, about a second) lets the mapping go: 4.8 GiB."""
+    for param in hf.parameters():  # deduplicated: a tied weight is copied once
+        param.data = param.data.clone()
+    seen: dict[int, torch.Tensor] = {}
+    for module in hf.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = seen.setdefault(id(buf), buf.clone())

@@ -250,3 +250,32 @@ def test_fp8_scaled_mm_shapes_rehearsed_on_meta():
     assert torch.equal(cpu_args[4][:3].t(), layer.weight_scale_inv) and tuple(cpu_args[4].stride()) == (1, 4)
     # Shapes that are not whole 128-blocks take dequantize + matmul.
     assert Fp8BlockLinear.from_linear(_linear(64, 64)).kernel == "dequant"
+
+
+def _mapped(path) -> bool:
+    """Whether this process maps the file at ``path`` (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(str(path)) for line in f)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_cpu_model_lets_the_checkpoint_mapping_go(tmp_path, tiny_dir, method):
+    """The float weights left after quantization are the model's own memory, not views of
+    the safetensors mapping (which would keep every page read while loading resident)."""
+    import gc
+    import shutil
+
+    src = tiny_dir(TINY_QWEN)
+    own = shutil.copytree(src, tmp_path / "ckpt")  # a path no other model of this process maps
+    weights = sorted(own.glob("*.safetensors"))
+    float_model = Model.load(own, kv_pages=16, device="cpu")
+    assert any(_mapped(w) for w in weights)  # float weights stay zero-copy views of the file
+    del float_model
+    gc.collect()
+    model = Model.load(own, kv_pages=16, device="cpu", quantization=method)
+    gc.collect()
+    assert not any(_mapped(w) for w in weights)
+    ctx = SyncContext(model).user("Hello").cue()
+    assert len(ctx.generate(Sampler.greedy(), max_tokens(3)).tokens) == 3
+    ctx.close()
