@@ -49,6 +49,8 @@ def quantize_at_load(
     if from_fp8 and method in (None, "fp8"):
         if device.type != "cuda":
             log.info("fp8 checkpoint on %s: weights dequantized to %s", device.type, dtype)
+            if device.type == "cpu":
+                _detach_from_checkpoint_file(hf)
             return "fp8-dequantized"
         half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
         n = keep_fp8_layers(hf, path, config, half)
