@@ -309,7 +309,7 @@ class Timers:
 async def _ours_one(model: Any, text: str, speaker: int, seconds: float) -> tuple[float, float, float, float]:
     """(start, first audio, end) perf_counter times and audio seconds of one streamed request."""
     start = time.perf_counter()
-    job = await asyncio.to_thread(model.prepare, text, speaker, max_duration=seconds, temperature=0)
+    job = await model.prepare_async(text, speaker, max_duration=seconds, temperature=0)
     ticket = model.admit(job, wait=False)
     first, n = None, 0
     async for pcm in model.stream_async(job, ticket):
@@ -398,7 +398,7 @@ def ours_batched_pipelined(side: Side, texts: list[str], seconds: float, timers:
 
     async def one(text: str, speaker: int) -> tuple[float, float, float, float]:
         start = time.perf_counter()
-        job = await asyncio.to_thread(model.prepare, text, speaker, max_duration=seconds, temperature=0)
+        job = await model.prepare_async(text, speaker, max_duration=seconds, temperature=0)
         ticket = model.admit(job, wait=False)
         queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
 

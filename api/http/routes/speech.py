@@ -79,8 +79,7 @@ async def speak(body: SpeechRequest, request: Request, service: Service = Depend
     admission = served.admit()
     try:
         # Checks (text length, voice, durations) run here, so they are a status, not a broken stream.
-        job = await asyncio.to_thread(
-            model.prepare,
+        job = await model.prepare_async(
             body.input,
             speaker,
             max_duration=body.max_duration,
