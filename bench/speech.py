@@ -475,8 +475,11 @@ def transformers_serial(side: Side, texts: list[str], frames: int) -> dict[str, 
     return _cell(t0, runs)
 
 
-def concurrency(side: Side, frames: int, levels: list[int]) -> dict[str, Any]:
-    """The concurrency table of one model (see the module doc)."""
+def concurrency(side: Side, frames: int, levels: list[int], cell_repeats: int = 5) -> dict[str, Any]:
+    """The concurrency table of one model (see the module doc). The ``batched`` cell runs
+    ``cell_repeats`` times (well under a second each) and keeps the run of median TTFA p99:
+    one run's millisecond TTFAs swing by a third on a shared 2-core machine. Every run's p99
+    and agg are kept in the cell."""
     ours = side.ours
     seconds = frames / ours.frame_rate
     timers = Timers(ours)
@@ -489,8 +492,12 @@ def concurrency(side: Side, frames: int, levels: list[int]) -> dict[str, Any]:
     print(head + f" {'batched x':>10s} {'TTFA p99 /batched':>18s}")
     for c in levels:
         texts = [TEXTS[i % len(TEXTS)] for i in range(c)]
+        runs = [ours_batched(side, texts, seconds, timers) for _ in range(max(1, cell_repeats))]
+        batched = sorted(runs, key=lambda r: r["ttfa_p99_s"])[len(runs) // 2]
+        batched["ttfa_p99_runs_s"] = [r["ttfa_p99_s"] for r in runs]
+        batched["agg_runs"] = [r["agg"] for r in runs]
         cells = {
-            "batched": ours_batched(side, texts, seconds, timers),
+            "batched": batched,
             "serial": ours_serial(side, texts, seconds, timers),
             "transformers": transformers_serial(side, texts, frames),
             # diagnostics: where the streamed batched path loses (see the module doc)
@@ -577,6 +584,9 @@ def main() -> None:
     )
     parser.add_argument("--frames", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=3, help="of the single-request rows")
+    parser.add_argument(
+        "--cell-repeats", type=int, default=5, help="runs of each batched cell (the median TTFA p99 kept)"
+    )
     parser.add_argument("--concurrency", type=_levels, default=[1, 4, 8, 16], help="e.g. 1,4,8,16")
     parser.add_argument(
         "--wide", "--big", action="store_true", help="also a random CSM with backbone hidden 512, 4 layers"
@@ -622,7 +632,7 @@ def main() -> None:
             entry: dict[str, Any] = {"model": side.ours.name}
             if not args.no_single:
                 entry["single"] = single(side, args.frames, args.repeats, http=not args.no_http)
-            entry.update(concurrency(side, args.frames, args.concurrency))
+            entry.update(concurrency(side, args.frames, args.concurrency, args.cell_repeats))
             results["models"][label] = entry
             del side
     finally:
