@@ -52,7 +52,10 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def _requests(n: int) -> list[tuple[str | None, str]]:
     """(image file name or None, question) per request."""
-    return [(IMAGES[i % len(IMAGES)] if i % 2 else None, f"Question {i}: what do you see?") for i in range(n)]
+    return [
+        (IMAGES[(i // 2) % len(IMAGES)] if i % 2 else None, f"Question {i}: what do you see?")
+        for i in range(n)
+    ]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -202,23 +205,46 @@ def _engine_worker(conn, model_ref: str, samples: str, reqs, concurrency: int, m
     conn.send("ready")
     while conn.recv() == "go":
         cpu0 = process_tree_cpu(os.getpid())
+        m0 = model.metrics()
         row = asyncio.run(_engine_round(model, images, reqs, concurrency, max_tokens))
         row["cpu_s"] = process_tree_cpu(os.getpid()) - cpu0
+        m1 = model.metrics()
+        row["passes"], row["steps"] = m1.passes - m0.passes, m1.steps - m0.steps
         conn.send(row)
 
 
 # --- the run --------------------------------------------------------------------------------
 
 
-def _generated_total(base: str) -> float:
+def _answer(conn, proc, who: str, timeout_s: float = 600.0):
+    """The next message from a child process, or an error when it died or went silent."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"{who} exited with code {proc.exitcode} (its traceback is above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{who} sent nothing for {timeout_s:.0f} s")
+    return conn.recv()
+
+
+_COUNTED = (
+    "pie_media_generated_tokens_total",
+    "pie_media_engine_passes_total",
+    "pie_media_engine_steps_total",
+)
+
+
+def _server_counts(base: str) -> dict[str, float]:
+    """Generated tokens, engine passes and steps so far, from the server's /metrics."""
     import httpx
 
     text = httpx.get(f"{base}/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("pie_media_generated_tokens_total")
-    )
+    out = dict.fromkeys(_COUNTED, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _cpu_main(args: argparse.Namespace) -> None:
@@ -251,22 +277,26 @@ def _cpu_main(args: argparse.Namespace) -> None:
         procs = [(client, client_conn), (engine, engine_conn)]
         client.start()
         engine.start()
-        assert engine_conn.recv() == "ready"
+        if _answer(engine_conn, engine, "the engine process") != "ready":
+            raise RuntimeError("the engine process did not start")
 
         def http_round() -> dict:
-            tok0 = _generated_total(server.url)
+            c0 = _server_counts(server.url)
             cpu0 = process_tree_cpu(server.process.pid)
             client_conn.send("go")
-            row = client_conn.recv()
+            row = _answer(client_conn, client, "the load client")
             row["cpu_s"] = process_tree_cpu(server.process.pid) - cpu0
-            row["tokens_metrics"] = _generated_total(server.url) - tok0
+            c1 = _server_counts(server.url)
+            row["tokens_metrics"] = c1[_COUNTED[0]] - c0[_COUNTED[0]]
+            row["passes"] = c1[_COUNTED[1]] - c0[_COUNTED[1]]
+            row["steps"] = c1[_COUNTED[2]] - c0[_COUNTED[2]]
             if row["failed"]:
                 raise RuntimeError(f"{row['failed']} HTTP requests failed:\n{server.log_text()[-3000:]}")
             return row
 
         def engine_round() -> dict:
             engine_conn.send("go")
-            return engine_conn.recv()
+            return _answer(engine_conn, engine, "the engine process")
 
         time.sleep(1.0)
         c0 = process_tree_cpu(server.process.pid)
@@ -318,6 +348,10 @@ def _cpu_main(args: argparse.Namespace) -> None:
         "http_first_byte_p50_ms": 1e3 * statistics.median(x for r in http_rows for x in r["first_byte_s"]),
         "in_process_first_token_p50_ms": 1e3
         * statistics.median(x for r in engine_rows for x in r["first_token_s"]),
+        # Steps per pass: how well each side batched. A busier event loop submits fewer
+        # steps per pass, so the same tokens cost more passes (and more CPU) on that side.
+        "http_steps_per_pass": statistics.median(r["steps"] / r["passes"] for r in http_rows),
+        "in_process_steps_per_pass": statistics.median(r["steps"] / r["passes"] for r in engine_rows),
     }
     print(
         f"{args.requests} requests (half with an image), {args.max_tokens} tokens each, concurrency "
@@ -335,6 +369,10 @@ def _cpu_main(args: argparse.Namespace) -> None:
         f"aim < 10%)"
     )
     print(f"server idle: {idle_rate * 1e3:.1f} ms CPU per s (in the HTTP figure, not subtracted)")
+    print(
+        f"steps per engine pass: server {summary['http_steps_per_pass']:.2f}, in-process "
+        f"{summary['in_process_steps_per_pass']:.2f}"
+    )
     strip = ("first_byte_s", "first_token_s")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(

@@ -55,7 +55,9 @@ class Service:
         return {s: {"model": ErrorResponse, "description": _STATUS_TEXT[s]} for s in statuses}
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
+    """The app's ``Service`` (async: FastAPI runs a plain ``def`` dependency on its thread
+    pool, a thread hop on every request for an attribute read)."""
     return request.app.state.service
 
 

@@ -71,6 +71,13 @@ class DecodedMediaCache:
         return f"DecodedMediaCache({len(self._items)} items, {self._bytes} bytes, hits={self.hits}, misses={self.misses})"
 
 
+INLINE_BYTES = 64 * 1024
+"""Payloads up to this size are base64-decoded and looked up in the decoded cache on the event
+loop: a sha256 of 64 KiB is ~40 us, less than a hop to a worker thread and back under load
+(two hops per request showed as 6% of the server's loop in bench/serve.py's profile). Larger
+payloads, and every decode that misses the cache, still run on a thread."""
+
+
 class MediaResolver:
     def __init__(
         self, store: MediaStore, fetcher: MediaFetcher, local: LocalMediaPolicy, limits: MediaLimits
@@ -87,7 +94,10 @@ class MediaResolver:
             return await self.from_upload(url[len(UPLOAD_SCHEME) :], kind)
         scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
         if scheme == "data":
-            data = await asyncio.to_thread(decode_data_url, url, kind=kind, limits=self.limits)
+            if len(url) <= INLINE_BYTES:
+                data = decode_data_url(url, kind=kind, limits=self.limits)
+            else:
+                data = await asyncio.to_thread(decode_data_url, url, kind=kind, limits=self.limits)
         elif scheme in ("http", "https"):
             data = (await self.fetcher.fetch(url)).data
         elif scheme == "file":
@@ -127,11 +137,18 @@ class MediaResolver:
     async def decode(self, data: bytes, kind: str) -> Any:
         if kind == "video":
             return await asyncio.to_thread(Video.from_bytes, data, self.limits)
-        return await asyncio.to_thread(self._decode_cached, data, kind)
+        key = None
+        if len(data) <= INLINE_BYTES:
+            key = (kind, content_hash(data))
+            media = self.decoded.get(key)
+            if media is not None:
+                return media
+        return await asyncio.to_thread(self._decode_cached, data, kind, key)
 
-    def _decode_cached(self, data: bytes, kind: str) -> Any:
-        key = (kind, content_hash(data))
-        media = self.decoded.get(key)
+    def _decode_cached(self, data: bytes, kind: str, missed: tuple[str, str] | None = None) -> Any:
+        """The decoded media (``missed``: its key, already looked up and not found)."""
+        key = missed or (kind, content_hash(data))
+        media = None if missed else self.decoded.get(key)
         if media is None:
             media = DECODERS[kind].from_bytes(data, self.limits)
             self.decoded.put(key, media)

@@ -274,14 +274,14 @@ class _Timing:
     def __init__(self, service: Service, name: str, started: float):
         self.service, self.name, self.started = service, name, started
         self.last: dict[int, float] = {}
+        self.itl = service.metrics.itl.labels(name)  # looked up once, observed every token
 
     def token(self, index: int) -> None:
         now = time.perf_counter()
-        m = self.service.metrics
         if not self.last:
-            m.ttft.labels(self.name).observe(now - self.started)
+            self.service.metrics.ttft.labels(self.name).observe(now - self.started)
         elif index in self.last:
-            m.itl.labels(self.name).observe(now - self.last[index])
+            self.itl.observe(now - self.last[index])
         self.last[index] = now
 
     def done(self, completion: Completion) -> None:

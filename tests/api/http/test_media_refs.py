@@ -62,3 +62,26 @@ def test_fast_token_chunk_equals_the_pydantic_one() -> None:
             choices=[ChunkChoice(index=index, delta=Delta(content=text))],
         )
         assert token_chunk(head, index, text) == f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
+def test_data_urls_small_and_large_resolve_once_each(tmp_path: Path, samples: Path) -> None:
+    """Small payloads are decoded from base64 and found in the cache on the loop, large ones
+    on a thread: either way the same decoded object, and each counted once."""
+    import base64
+
+    from api.http.media_refs import INLINE_BYTES
+
+    r = _resolver(tmp_path)
+    small = (samples / "images" / "rgba.png").read_bytes()
+    large = (samples / "images" / "photo_1024x768.png").read_bytes()
+    assert len(small) < INLINE_BYTES < len(large)
+    urls = [f"data:image/png;base64,{base64.b64encode(b).decode()}" for b in (small, large)]
+
+    async def run():
+        return [await r.from_url(u, "image") for u in urls + urls]
+
+    s1, l1, s2, l2 = asyncio.run(run())
+    assert s1 is s2 and l1 is l2
+    assert s1.content_hash == Image.from_bytes(small).content_hash
+    assert l1.content_hash == Image.from_bytes(large).content_hash
+    assert (r.decoded.hits, r.decoded.misses) == (2, 2)
