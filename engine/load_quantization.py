@@ -74,7 +74,7 @@ def _detach_from_checkpoint_file(hf: Any) -> None:
     stays alive through the towers and embeddings that remain, and every page of it read
     while loading stays in the process's resident set: measured on the 2B-shaped
     checkpoint, int8 sat at 11.4 GiB RSS (float32: 11.0) although its weights are 4.3 GiB.
-    Copying the rest (~3 GB, about a second) lets the mapping go: 4.8 GiB."""
+    Copying the rest (~3 GB, about a second) lets the mapping go: 5.6-6.0 GiB."""
     for param in hf.parameters():  # deduplicated: a tied weight is copied once
         param.data = param.data.clone()
     seen: dict[int, torch.Tensor] = {}

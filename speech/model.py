@@ -445,7 +445,7 @@ class SpeechModel:
         cohort: one prefill pass, frames in step, their first chunks in one batched Mimi
         decode. Sent to threads, they came back staggered under the GIL and split into
         cohorts a pass apart whose first-chunk decodes queued behind each other (8 at once:
-        time to first audio p99 2.6x a lone request's; inline 1.7x, bench/speech.py)."""
+        time to first audio p99 2.6x a lone request's; inline 1.5-1.9x, bench/speech.py)."""
         if any(_has_audio(turn) for turn in options.get("context") or ()):
             return await asyncio.to_thread(self.prepare, text, speaker, **options)
         return self.prepare(text, speaker, **options)
