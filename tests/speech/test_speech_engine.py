@@ -68,6 +68,35 @@ def test_sixteen_at_once_equal_alone(csm) -> None:
     assert csm.pool.stats().in_use == 0 and csm.capacity.streams == 0
 
 
+def test_a_burst_moves_as_one_cohort(csm) -> None:
+    """Eight streams started together are prefilled in one pass and stay in step, so their
+    first chunks are decoded in one batch: ``prepare_async`` prepares a text-only request
+    inline, and every request reaches the scheduler before its first pass is cut."""
+    sizes: list[int] = []
+    run = csm.scheduler._run
+
+    def counted(steps):
+        sizes.append(len(steps))
+        return run(steps)
+
+    async def one(text: str) -> int:
+        job = await csm.prepare_async(text, 0, max_duration=SECONDS, temperature=0)
+        chunks = [pcm async for pcm in csm.stream_async(job, csm.admit(job, wait=False))]
+        return len(chunks)
+
+    async def burst() -> list[int]:
+        return await asyncio.gather(*(one(t) for t in TEXTS[:8]))
+
+    csm.scheduler._run = counted  # an instance attribute over the method: counts, then runs it
+    try:
+        chunks = asyncio.run(burst())
+    finally:
+        del csm.scheduler._run
+    assert sizes == [8] * FRAMES  # one prefill pass, then every frame of all eight together
+    assert all(n == FRAMES // 2 for n in chunks)
+    assert csm.pool.stats().in_use == 0 and csm.capacity.streams == 0
+
+
 def test_reference_parity_on_the_batched_path(csm) -> None:
     ours = asyncio.run(
         _together(csm, [dict(text=t, speaker=1, max_duration=SECONDS, temperature=0) for t in TEXTS[:4]])
