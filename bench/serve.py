@@ -76,6 +76,15 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def main_thread_cpu(pid: int) -> float:
+    """CPU-seconds of ``pid``'s main thread alone (its task id is the pid): the event loop,
+    where the HTTP layer runs. The other threads (the forward worker above all) do the same
+    engine work on both sides."""
+    raw = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def process_tree_cpu(pid: int) -> float:
     """CPU-seconds (user + system, every thread) of ``pid`` and its live descendants."""
     parents: dict[int, int] = {}
@@ -204,10 +213,11 @@ def _engine_worker(conn, model_ref: str, samples: str, reqs, concurrency: int, m
     images = {n: Image.from_bytes((Path(samples) / "images" / n).read_bytes()) for n in IMAGES}
     conn.send("ready")
     while conn.recv() == "go":
-        cpu0 = process_tree_cpu(os.getpid())
+        cpu0, main0 = process_tree_cpu(os.getpid()), main_thread_cpu(os.getpid())
         m0 = model.metrics()
         row = asyncio.run(_engine_round(model, images, reqs, concurrency, max_tokens))
         row["cpu_s"] = process_tree_cpu(os.getpid()) - cpu0
+        row["cpu_main_s"] = main_thread_cpu(os.getpid()) - main0
         m1 = model.metrics()
         row["passes"], row["steps"] = m1.passes - m0.passes, m1.steps - m0.steps
         conn.send(row)
@@ -282,10 +292,11 @@ def _cpu_main(args: argparse.Namespace) -> None:
 
         def http_round() -> dict:
             c0 = _server_counts(server.url)
-            cpu0 = process_tree_cpu(server.process.pid)
+            cpu0, main0 = process_tree_cpu(server.process.pid), main_thread_cpu(server.process.pid)
             client_conn.send("go")
             row = _answer(client_conn, client, "the load client")
             row["cpu_s"] = process_tree_cpu(server.process.pid) - cpu0
+            row["cpu_main_s"] = main_thread_cpu(server.process.pid) - main0
             c1 = _server_counts(server.url)
             row["tokens_metrics"] = c1[_COUNTED[0]] - c0[_COUNTED[0]]
             row["passes"] = c1[_COUNTED[1]] - c0[_COUNTED[1]]
@@ -352,6 +363,17 @@ def _cpu_main(args: argparse.Namespace) -> None:
         # steps per pass, so the same tokens cost more passes (and more CPU) on that side.
         "http_steps_per_pass": statistics.median(r["steps"] / r["passes"] for r in http_rows),
         "in_process_steps_per_pass": statistics.median(r["steps"] / r["passes"] for r in engine_rows),
+        # The same split by thread: the loop thread carries the HTTP layer; the rest is the
+        # same engine work on both sides, slowed on the server's side when the load client
+        # competes for the cores.
+        "server_main_thread_cpu_s_per_token": med(http_rows, "cpu_main_s") / expected,
+        "in_process_main_thread_cpu_s_per_token": med(engine_rows, "cpu_main_s") / expected,
+        "server_other_threads_cpu_s_per_token": statistics.median(
+            (r["cpu_s"] - r["cpu_main_s"]) / expected for r in http_rows
+        ),
+        "in_process_other_threads_cpu_s_per_token": statistics.median(
+            (r["cpu_s"] - r["cpu_main_s"]) / expected for r in engine_rows
+        ),
     }
     print(
         f"{args.requests} requests (half with an image), {args.max_tokens} tokens each, concurrency "
@@ -367,6 +389,12 @@ def _cpu_main(args: argparse.Namespace) -> None:
     print(
         f"server / in-process CPU per token: {ratio:.3f}  (HTTP layer overhead {summary['overhead_pct']:.1f}%, "
         f"aim < 10%)"
+    )
+    print(
+        f"by thread, ms CPU/token: event loop {summary['server_main_thread_cpu_s_per_token'] * 1e3:.3f} vs "
+        f"{summary['in_process_main_thread_cpu_s_per_token'] * 1e3:.3f}, other threads "
+        f"{summary['server_other_threads_cpu_s_per_token'] * 1e3:.3f} vs "
+        f"{summary['in_process_other_threads_cpu_s_per_token'] * 1e3:.3f} (server vs in-process)"
     )
     print(f"server idle: {idle_rate * 1e3:.1f} ms CPU per s (in the HTTP figure, not subtracted)")
     print(
