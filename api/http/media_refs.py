@@ -94,7 +94,7 @@ class MediaResolver:
             return await self.from_upload(url[len(UPLOAD_SCHEME) :], kind)
         scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
         if scheme == "data":
-            if len(url) <= INLINE_BYTES:
+            if len(url) <= INLINE_BYTES * 4 // 3 + 256:  # base64 of INLINE_BYTES, plus the header
                 data = decode_data_url(url, kind=kind, limits=self.limits)
             else:
                 data = await asyncio.to_thread(decode_data_url, url, kind=kind, limits=self.limits)
