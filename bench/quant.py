@@ -32,6 +32,7 @@ sys.path[:] = [str(ROOT)] + [
     p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
 ]
 
+import engine  # noqa: F401, I001 - first: its OpenMP wait settings precede torch (engine/openmp_wait.py)
 import torch
 
 VARIANTS = ("float32", "int8", "int4", "fp8-checkpoint")

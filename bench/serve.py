@@ -202,6 +202,7 @@ async def _engine_round(model, images, reqs, concurrency: int, max_tokens: int) 
 def _engine_worker(conn, model_ref: str, samples: str, reqs, concurrency: int, max_tokens: int) -> None:
     """Loads the model as the server does, then runs a round per ``"go"``, measuring its own
     CPU-seconds around each."""
+    import engine  # noqa: F401, I001 - first, as in the server: OpenMP wait settings precede torch
     import torch
 
     from api.http.settings import ServeSettings

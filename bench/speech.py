@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # shadow the ``speech`` package: the repository root goes first instead.
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
 
+import engine  # noqa: E402, F401, I001 - first: its OpenMP wait settings precede torch
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 

@@ -5,6 +5,8 @@ Knows nothing about HTTP or WASM. Import what you need from here::
     from engine import Model, Context, Sampler, max_tokens, eos
 """
 
+# First: OpenMP wait settings must be in the environment before torch loads libgomp.
+from engine import openmp_wait  # noqa: F401, I001
 from engine import conveniences  # noqa: F401 - attaches model.embed, ctx.snapshot, ... (see its doc)
 from engine.architectures import Architecture, TextInputs
 from engine.attention import register as register_attention

@@ -76,6 +76,8 @@ class SeqMeta:
     """Long tensor of page ids covering ``kv_start + q_len`` rows, on the pool's device."""
     block_ids: torch.Tensor | None = None
     """(q_len,) media block id per query row (-1 = none) for bidirectional blocks."""
+    first_page: int | None = None
+    """``pages[0]`` when the pages are consecutive ids (then K/V are read as views)."""
 
     @property
     def kv_len(self) -> int:
@@ -162,7 +164,7 @@ class TorchBackend:
         outs = []
         for seq in rest:
             q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, n, D)
-            k, v = meta.pool.read_pages(layer, seq.pages, seq.kv_len, q.dtype)  # dequantized
+            k, v = meta.pool.read_pages(layer, seq.pages, seq.kv_len, q.dtype, seq.first_page)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             mask = sequence_mask(seq, sliding_window=sliding_window, blocks=blocks, device=q.device)
             outs.append(_attend(q, k, v, mask, seq, scaling=scaling, softcap=softcap))

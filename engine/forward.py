@@ -189,6 +189,8 @@ class ForwardRunner:
         at_q = at_page = at_block = 0
         for step, table in zip(steps, tables, strict=True):
             n = len(step.tokens)
+            used = list(step.pages[: table.shape[0]])
+            consecutive = used == list(range(used[0], used[0] + len(used)))
             block_ids = None
             if step.block_ids is not None:
                 block_ids = blocks_d[at_block : at_block + n]
@@ -200,6 +202,7 @@ class ForwardRunner:
                     kv_start=step.kv_start,
                     pages=pages_d[at_page : at_page + table.shape[0]],
                     block_ids=block_ids,
+                    first_page=used[0] if consecutive else None,
                 )
             )
             at_q += n

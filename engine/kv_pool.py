@@ -242,17 +242,30 @@ class KVPool:
         return out[0], out[1]
 
     def read_pages(
-        self, layer: int, pages: torch.Tensor, rows: int, dtype: torch.dtype
+        self,
+        layer: int,
+        pages: torch.Tensor,
+        rows: int,
+        dtype: torch.dtype,
+        first_page: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``rows`` rows held by ``pages`` (in order) as (rows, kv_heads, head_dim)
-        K and V in ``dtype`` (dequantized)."""
+        K and V in ``dtype`` (dequantized). ``first_page``: the caller knows ``pages`` are
+        ``first_page, first_page + 1, ...``; a float pool then returns views of the pool, no
+        copy (the gather cost ~100 us per layer and side at 2B decode on the CPU)."""
         s = self.storage_layer(layer)
         out = []
+        n = pages.shape[0]
         for cache, scale in ((self.k[s], self.k_scale[s]), (self.v[s], self.v_scale[s])):
             assert cache is not None
             kvh, hd = cache.shape[2], cache.shape[3]
-            q = cache[pages].reshape(-1, kvh, hd)[:rows]
-            sc = scale[pages].reshape(-1, kvh)[:rows] if scale is not None and scale.dim() else scale
+            per_row = scale is not None and scale.dim()
+            if first_page is not None:
+                q = cache[first_page : first_page + n].reshape(-1, kvh, hd)[:rows]
+                sc = scale[first_page : first_page + n].reshape(-1, kvh)[:rows] if per_row else scale
+            else:  # index_select: ~3x faster than advanced indexing (cache[pages]) on the CPU
+                q = cache.index_select(0, pages).reshape(-1, kvh, hd)[:rows]
+                sc = scale.index_select(0, pages).reshape(-1, kvh)[:rows] if per_row else scale
             out.append(dequantize(q, sc, dtype))
         return out[0], out[1]
 

@@ -5,6 +5,8 @@ voices share batched passes::
     from speech import SpeechModel, Speech
 """
 
+# First: the engine's OpenMP wait settings must precede torch's libgomp (engine/openmp_wait.py).
+import engine  # noqa: F401, I001
 from speech.admission import SpeechCapacity, SpeechTicket
 from speech.clip import Speech
 from speech.codecs import MIME_TYPES, SPEECH_FORMATS, encode_pcm, format_from_extension, normalize_format

@@ -97,3 +97,23 @@ def test_sizes_are_ints():
         with pytest.raises(InvalidRequestError):  # a ValueError too
             KVPool(layers, **bad)
     assert KVPool(layers, num_pages=2, page_size=3).page_size == 3
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_reading_consecutive_pages_as_a_view_equals_the_gather(kv_dtype):
+    """``first_page`` (the runner's note that a table is consecutive) reads K/V as views of
+    the pool; the values equal the gather of the same pages, rows cut at ``rows``."""
+    pool = KVPool([LayerLayout(2, 8)], num_pages=6, page_size=4, kv_dtype=kv_dtype)
+    torch.manual_seed(0)
+    key, value = torch.randn(24, 2, 8), torch.randn(24, 2, 8)
+    pool.write(0, torch.arange(24), key, value)
+    for pages, rows in (([2, 3, 4], 10), ([0, 1], 8), ([5], 1)):
+        table = torch.tensor(pages)
+        gathered = pool.read_pages(0, table, rows, torch.float32)
+        viewed = pool.read_pages(0, table, rows, torch.float32, first_page=pages[0])
+        for g, v in zip(gathered, viewed, strict=True):
+            assert g.shape == v.shape == (rows, 2, 8) and torch.equal(g, v)
+        if kv_dtype is None:  # no copy: the pool's own storage
+            assert viewed[0].untyped_storage().data_ptr() == pool.k[0].untyped_storage().data_ptr()
+            want = key.view(6, 4, 2, 8)[pages].reshape(-1, 2, 8)[:rows]
+            assert torch.equal(viewed[0], want)
