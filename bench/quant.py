@@ -1,5 +1,8 @@
 """Weight quantization on the CPU: decode tok/s, prefill s, RSS, weight bytes and logits
-agreement for float32, int8, int4 and an FP8 checkpoint (dequantized), one run.
+agreement for float32, int8, int4 and an FP8 checkpoint (dequantized), one run; and the
+same checkpoint run in bfloat16 (weights identical: the checkpoint is stored in bfloat16,
+so only the activations' rounding differs) as the yardstick for how far this random
+28-layer stack carries a rounding as small as the dtype Qwen serves in.
 
 The checkpoint is the random Qwen3-VL-2B-shaped one of ``bench/gpu/bench.py`` (text:
 hidden 2048, 28 layers, MLP 6144, vocabulary 151936 tied; the 24-block vision tower),
@@ -35,7 +38,7 @@ sys.path[:] = [str(ROOT)] + [
 import engine  # noqa: F401, I001 - first: its OpenMP wait settings precede torch (engine/openmp_wait.py)
 import torch
 
-VARIANTS = ("float32", "int8", "int4", "fp8-checkpoint")
+VARIANTS = ("float32", "bfloat16", "int8", "int4", "fp8-checkpoint")
 PROMPT = "Describe this image in detail."
 TEXT = "The quick brown fox jumps over the lazy dog while the cat watches from the window sill. " * 2
 AIMS = {"int8": (3.0, 0.999), "int4": (5.0, 0.99)}
@@ -110,7 +113,8 @@ def run_variant(variant: str, path: Path, tokens: int, out: Path) -> None:
     proc = psutil.Process()
     t0 = time.perf_counter()
     quant = variant if variant in ("int8", "int4") else None
-    model = Model.load(path, device="cpu", dtype=torch.float32, quantization=quant, kv_pages=64)
+    dtype = torch.bfloat16 if variant == "bfloat16" else torch.float32
+    model = Model.load(path, device="cpu", dtype=dtype, quantization=quant, kv_pages=64)
     load_s = time.perf_counter() - t0
     rss_loaded = proc.memory_info().rss
 
