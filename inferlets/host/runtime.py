@@ -9,6 +9,7 @@ import hashlib
 import importlib.metadata
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,16 +51,35 @@ _WASMTIME = importlib.metadata.version("wasmtime")
 
 
 class _Ticker:
-    """Increments the engine's epoch every EPOCH_TICK_S on a daemon thread."""
+    """Increments the engine's epoch every EPOCH_TICK_S on a daemon thread while a run holds
+    it (``with ticker:``). With no run in flight the thread sleeps on a condition: ticking
+    all the time woke it, and took the GIL, 100 times a second in every server process,
+    inferlets or not. A store's deadline counts ticks from when it is set, inside the hold."""
 
     def __init__(self, engine: wasmtime.Engine):
         self.engine = engine
+        self.ticks = 0
+        self._runs = 0
+        self._cond = threading.Condition()
         threading.Thread(target=self._tick, daemon=True, name="inferlet-epoch").start()
 
+    def __enter__(self) -> _Ticker:
+        with self._cond:
+            self._runs += 1
+            self._cond.notify()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._runs -= 1
+
     def _tick(self) -> None:
-        ev = threading.Event()
-        while not ev.wait(EPOCH_TICK_S):
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._runs > 0)
+            time.sleep(EPOCH_TICK_S)
             self.engine.increment_epoch()
+            self.ticks += 1
 
 
 def _host_func(
@@ -179,6 +199,10 @@ class InferletRuntime:
         return linker
 
     def _execute(self, state: RunState, comp: wc.Component) -> str:
+        with self._ticker:
+            return self._execute_ticked(state, comp)
+
+    def _execute_ticked(self, state: RunState, comp: wc.Component) -> str:
         limits = state.limits
         store = wasmtime.Store(self.engine)
         store.set_limits(memory_size=limits.memory_bytes)

@@ -118,3 +118,21 @@ def test_two_inferlets_share_passes(rt, wasm, model) -> None:
 
     passes, steps, widest = asyncio.run(main())
     assert widest >= 2 and passes < steps, (passes, steps, widest)
+
+
+def test_the_epoch_ticks_only_while_a_run_is_in_flight(rt, wasm) -> None:
+    """An idle host does not wake 100 times a second; a run's deadline still advances."""
+    import time
+
+    ticker = rt._ticker
+    time.sleep(0.05)  # a tick begun by an earlier test's run lands
+    before = ticker.ticks
+    time.sleep(0.3)
+    assert ticker.ticks == before  # idle: the thread sleeps
+    with ticker:  # held as a run holds it
+        time.sleep(0.3)
+        assert ticker.ticks - before >= 5
+    assert asyncio.run(rt.run_async(wasm, ["chat", "tiny", "Describe a cat.", "4"]))  # holds, lets go
+    idle = ticker.ticks
+    time.sleep(0.3)
+    assert ticker.ticks - idle <= 1  # at most the tick that was sleeping when the run ended
