@@ -21,7 +21,10 @@ utime+stime of all threads (and any descendants) from ``/proc/<pid>/stat`` befor
 after a round; the server's generated tokens are cross-checked with the delta of its
 ``/metrics`` ``pie_media_generated_tokens_total``. Printed: CPU-s/token both ways, their
 ratio and the overhead % (aim < 10% at concurrency 16), wall tokens/s both ways, the
-server's idle CPU rate; saved to ``bench/results/serve_cpu.json``.
+server's idle CPU rate; saved to ``bench/results/serve_cpu.json``. With ``--pin`` (the
+default on 2+ CPUs) the measured process (server, or engine process) runs on CPU 0 and the
+load client on the other CPUs: on 2 shared cores the unpinned figure swung 12-46% from run
+to run, because the client's work landed on the measured threads' core.
 
     .venv/bin/python bench/serve.py [--concurrency 16] [--requests 64] [--max-tokens 32]
     .venv/bin/python bench/serve.py --openai-clients   # the older throughput rows (openai
@@ -164,8 +167,23 @@ async def _load(url: str, bodies: list[bytes], concurrency: int) -> dict:
     return {"wall_s": wall, "first_byte_s": firsts, **totals}
 
 
-def _client_worker(conn, url: str, bodies: list[bytes], concurrency: int) -> None:
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (and of its children) onto ``cpus``; threads they start later
+    inherit it. Linux's affinity is per thread, so each task is set."""
+    import psutil
+
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except (ProcessLookupError, FileNotFoundError):
+                pass  # a thread that ended meanwhile
+
+
+def _client_worker(conn, url: str, bodies: list[bytes], concurrency: int, cpus: set[int] | None) -> None:
     """Runs a round per ``"go"`` it receives and sends back what it counted."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     while conn.recv() == "go":
         conn.send(asyncio.run(_load(url, bodies, concurrency)))
 
@@ -199,9 +217,13 @@ async def _engine_round(model, images, reqs, concurrency: int, max_tokens: int) 
     return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "first_token_s": firsts}
 
 
-def _engine_worker(conn, model_ref: str, samples: str, reqs, concurrency: int, max_tokens: int) -> None:
+def _engine_worker(
+    conn, model_ref: str, samples: str, reqs, concurrency: int, max_tokens: int, cpus: set[int] | None
+) -> None:
     """Loads the model as the server does, then runs a round per ``"go"``, measuring its own
     CPU-seconds around each."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     import engine  # noqa: F401, I001 - first, as in the server: OpenMP wait settings precede torch
     import torch
 
@@ -277,13 +299,21 @@ def _cpu_main(args: argparse.Namespace) -> None:
         bodies = _bodies(reqs, samples, served, args.max_tokens)
 
         client_conn, child = ctx.Pipe()
+        # --pin: the measured side (server or engine process) on CPU 0, the load client on
+        # the others, so the client's work neither shares the measured threads' core nor
+        # lands in their CPU-seconds through contention (caches, GIL hand-offs delayed by a
+        # preempted thread); both sides then run on one core alike.
+        measured, rest = ({0}, set(range(1, os.cpu_count() or 1))) if args.pin else (None, None)
+        if measured:
+            pin_process(server.process.pid, measured)
         client = ctx.Process(
-            target=_client_worker, args=(child, f"{server.v1}/chat/completions", bodies, args.concurrency)
+            target=_client_worker,
+            args=(child, f"{server.v1}/chat/completions", bodies, args.concurrency, rest),
         )
         engine_conn, child2 = ctx.Pipe()
         engine = ctx.Process(
             target=_engine_worker,
-            args=(child2, args.model, str(samples), reqs, args.concurrency, args.max_tokens),
+            args=(child2, args.model, str(samples), reqs, args.concurrency, args.max_tokens, measured),
         )
         procs = [(client, client_conn), (engine, engine_conn)]
         client.start()
@@ -398,6 +428,8 @@ def _cpu_main(args: argparse.Namespace) -> None:
         f"{summary['in_process_other_threads_cpu_s_per_token'] * 1e3:.3f} (server vs in-process)"
     )
     print(f"server idle: {idle_rate * 1e3:.1f} ms CPU per s (in the HTTP figure, not subtracted)")
+    if args.pin:
+        print("pinned: server and engine process each on CPU 0, the load client on the other CPUs")
     print(
         f"steps per engine pass: server {summary['http_steps_per_pass']:.2f}, in-process "
         f"{summary['in_process_steps_per_pass']:.2f}"
@@ -414,6 +446,7 @@ def _cpu_main(args: argparse.Namespace) -> None:
                     "concurrency": args.concurrency,
                     "rounds": args.rounds,
                     "cpus": os.cpu_count(),
+                    "pinned": bool(args.pin),
                 },
                 "summary": summary,
                 "http_rounds": [{k: v for k, v in r.items() if k not in strip} for r in http_rows],
@@ -538,6 +571,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--idle-s", type=float, default=3.0, help="seconds the server's idle CPU rate is measured"
+    )
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=(os.cpu_count() or 1) >= 2,
+        help="server / engine process on CPU 0, the load client on the others (default with >= 2 CPUs)",
     )
     ap.add_argument(
         "--openai-clients",
