@@ -26,7 +26,7 @@ default on 2+ CPUs) the measured process (server, or engine process) runs on CPU
 load client on the other CPUs: on 2 shared cores the unpinned figure swung 12-46% from run
 to run, because the client's work landed on the measured threads' core.
 
-    .venv/bin/python bench/serve.py [--concurrency 16] [--requests 64] [--max-tokens 32]
+    .venv/bin/python bench/serve.py [--concurrency 16] [--requests 256] [--max-tokens 32]
     .venv/bin/python bench/serve.py --openai-clients   # the older throughput rows (openai
                                                        # clients in this process vs in-process)
 """
@@ -564,10 +564,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument(
-        "--rounds", type=int, default=3, help="alternate HTTP / in-process this many times; medians"
+        "--rounds", type=int, default=5, help="alternate HTTP / in-process this many times; medians"
     )
     ap.add_argument(
         "--idle-s", type=float, default=3.0, help="seconds the server's idle CPU rate is measured"

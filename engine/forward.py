@@ -190,7 +190,7 @@ class ForwardRunner:
         for step, table in zip(steps, tables, strict=True):
             n = len(step.tokens)
             used = list(step.pages[: table.shape[0]])
-            consecutive = used == list(range(used[0], used[0] + len(used)))
+            consecutive = bool(used) and used == list(range(used[0], used[0] + len(used)))
             block_ids = None
             if step.block_ids is not None:
                 block_ids = blocks_d[at_block : at_block + n]
