@@ -9,7 +9,8 @@ holds more OpenMP threads than CPUs, and libgomp then spins only 100 times (its
 A decode step of a quantized model runs ~200 small parallel matmuls, so with the default
 nearly every one waits for a wake-up: measured on this 2-core machine (int4, 2B shape,
 a short text context) 15.0 tok/s with libgomp's defaults, 15.5 with one thread, 19.1
-with the settings below; float32 2.83 -> 3.09 tok/s.
+with the settings below; float32 decode (fewer, larger regions) is unchanged (2.8 tok/s
+both ways, alternating runs).
 
 ``OMP_WAIT_POLICY=ACTIVE`` alone would spin for minutes when the process is *not*
 oversubscribed (a 16-core GPU host), so ``GOMP_SPINCOUNT=100000`` bounds the spin to
