@@ -97,6 +97,7 @@ class Completion:
         self._tasks: list[asyncio.Task] = []
         self._queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
         self._started = False
+        self._remaining = 0
 
     def __repr__(self) -> str:
         return (
@@ -184,19 +185,48 @@ class Completion:
         finally:
             self._queue.put_nowait(None)
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has ended (its last event has been handed out, or it failed)."""
+        return self._started and self._remaining == 0
+
+    def _take(self, item: ChoiceEvent | BaseException | None) -> ChoiceEvent | None:
+        """The event in a queue item; an ended choice counts down, a failure is raised."""
+        if item is None:
+            self._remaining -= 1
+            return None
+        if isinstance(item, BaseException):
+            if isinstance(item, asyncio.CancelledError):
+                return None
+            raise item
+        return item
+
     async def __aiter__(self) -> AsyncIterator[ChoiceEvent]:
         await self.start()
-        remaining = len(self._tasks)
-        while remaining:
-            item = await self._queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                if isinstance(item, asyncio.CancelledError):
-                    continue
-                raise item
-            else:
-                yield item
+        while self._remaining:
+            ev = self._take(await self._queue.get())
+            if ev is not None:
+                yield ev
+
+    async def batches(self) -> AsyncIterator[list[ChoiceEvent]]:
+        """The events in groups: each group is every event produced by the time the consumer
+        asked (at least one), in order. A server writes a group at once: the ``n`` choices'
+        tokens of one pass, or a drafted step's accepted tokens, leave in one write, not one
+        each. ``finished`` is already true when the last group is handed out (a choice's end
+        is queued right behind its last token), so the consumer can close its stream in the
+        same write."""
+        await self.start()
+        while self._remaining:
+            group: list[ChoiceEvent] = []
+            ev = self._take(await self._queue.get())
+            if ev is not None:
+                group.append(ev)
+            while self._remaining and not self._queue.empty():
+                ev = self._take(self._queue.get_nowait())
+                if ev is not None:
+                    group.append(ev)
+            if group:
+                yield group
 
     async def aclose(self) -> None:
         for t in self._tasks:

@@ -214,3 +214,33 @@ def test_a_bad_part_among_several_is_the_typed_error(fresh_qwen: Model, samples,
         )
     assert "audio" in str(e.value).lower()
     assert fresh_qwen.pool_stats().in_use == base
+
+
+def test_batches_group_what_one_pass_produced_and_flag_the_end(fresh_qwen: Model) -> None:
+    """``batches()`` hands out the same events as iterating event by event, grouped by what
+    was ready together: the n choices' tokens of one pass form one group, and ``finished``
+    turns true exactly on the last group (a server closes its stream in that write)."""
+    n, k = 3, 12
+    turns = [Turn("user", ("Name three colours.",))]
+    params = CompletionParams(max_tokens=k, n=n, ignore_eos=True)
+
+    async def grouped() -> tuple[list[list[tuple[int, int]]], list[bool]]:
+        groups, finished = [], []
+        async with Completion(fresh_qwen, turns, params) as c:
+            assert not c.finished
+            async for group in c.batches():
+                groups.append([(ev.index, ev.token) for ev in group])
+                finished.append(c.finished)
+        return groups, finished
+
+    async def flat() -> list[tuple[int, int]]:
+        async with Completion(fresh_qwen, turns, params) as c:
+            return [(ev.index, ev.token) async for ev in c]
+
+    groups, finished = run_sync(grouped())
+    assert [e for g in groups for e in g] == run_sync(flat())  # greedy: the same tokens, same order
+    # Past the first tokens (taken from the prefill's logits as each fork starts), every
+    # decode pass serves all three choices and their tokens come out together.
+    assert max(len(g) for g in groups) == n
+    assert sum(len(g) == n for g in groups) >= k - 3
+    assert finished == [False] * (len(groups) - 1) + [True]

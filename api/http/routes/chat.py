@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
@@ -37,6 +36,7 @@ from api.http.schemas import (
     TopLogprob,
     Usage,
 )
+from api.http.sse import EventStream, Last
 from engine import (
     ChoiceEvent,
     Completion,
@@ -75,9 +75,8 @@ async def chat_completions(
         started = time.perf_counter()
         if body.stream:
             await completion.start()  # prompt errors become a status, not a broken stream
-            return StreamingResponse(
+            return EventStream(
                 _sse(completion, body, served.name, service, started, admission),
-                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
@@ -344,6 +343,10 @@ async def _sse(
     started: float,
     admission: Any,
 ) -> AsyncIterator[str]:
+    """The stream's SSE events, one item per write: the role chunks go out with the first
+    tokens (the headers are already out by then), each group of tokens produced together
+    (``n`` choices, a drafted step) shares a write, and the last group carries the usage
+    chunk, ``[DONE]`` and the end of the body."""
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -352,38 +355,42 @@ async def _sse(
         c = ChatCompletionChunk(id=cid, created=created, model=name, choices=choices, usage=usage)
         return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
+    def event(ev: ChoiceEvent) -> str:
+        if ev.text and not ev.finish_reason and not body.logprobs:
+            return token_chunk(head, ev.index, ev.text)
+        lp = ChoiceLogprobs(content=[_logprobs(service, completion.model, ev)]) if body.logprobs else None
+        if not (ev.text or ev.finish_reason or lp is not None):
+            return ""  # a token that completed no character yet
+        delta = Delta(content=ev.text or None)
+        return chunk([ChunkChoice(index=ev.index, delta=delta, finish_reason=ev.finish_reason, logprobs=lp)])
+
     head = chunk_head(cid, created, name)
     timing = _Timing(service, name, started)
+    pending = "".join(
+        chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+        for i in range(completion.params.n)
+    )
     try:
-        for i in range(completion.params.n):
-            yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-        async for ev in completion:
-            timing.token(ev.index)
-            if ev.text and not ev.finish_reason and not body.logprobs:
-                yield token_chunk(head, ev.index, ev.text)
-                continue
-            lp = ChoiceLogprobs(content=[_logprobs(service, completion.model, ev)]) if body.logprobs else None
-            if ev.text or ev.finish_reason or lp is not None:
-                yield chunk(
-                    [
-                        ChunkChoice(
-                            index=ev.index,
-                            delta=Delta(content=ev.text or None),
-                            finish_reason=ev.finish_reason,
-                            logprobs=lp,
-                        )
-                    ]
-                )
+        async for group in completion.batches():
+            parts = [pending]
+            for ev in group:
+                timing.token(ev.index)
+                parts.append(event(ev))
+            pending = "".join(parts)
+            if pending and not completion.finished:  # the last group waits for [DONE]
+                yield pending
+                pending = ""
         timing.done(completion)
         if include_usage:
-            yield chunk([], _usage(completion))
-        yield "data: [DONE]\n\n"
+            pending += chunk([], _usage(completion))
+        yield Last(pending + "data: [DONE]\n\n")
     except asyncio.CancelledError:
         raise
     except Exception as e:  # the status line is gone; tell the client in the stream
         code = getattr(e, "code", "server_error")
         message = getattr(e, "message", "internal server error")
-        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'code': code}})}\n\n"
+        error = json.dumps({"error": {"message": message, "type": "server_error", "code": code}})
+        yield Last(f"{pending}data: {error}\n\n")
     finally:
         await completion.aclose()
         admission.release()
