@@ -119,6 +119,11 @@ class Completion:
             getattr(root, turn.role)(*parts)
         root.cue()
         await root.flush()
+        if self.params.n > 1:
+            # The head runs on the prompt's last row once, before forking: each fork would
+            # otherwise run it again on the shared hidden state, and the choices would start
+            # a pass apart instead of sharing every decode pass from the first.
+            await root._ensure_logits()
         self.prompt_tokens = len(root)
         choices = [root] + [root.fork() for _ in range(self.params.n - 1)]
         self._contexts.extend(choices[1:])

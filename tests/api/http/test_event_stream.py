@@ -78,10 +78,10 @@ def test_n_choices_of_one_pass_share_a_write(runs: dict) -> None:
     events = _events(sent)
     finished = [c["choices"][0]["index"] for c in events[:-1] if c["choices"][0].get("finish_reason")]
     assert sorted(finished) == list(range(n))
-    # n*k tokens; past the first few (each fork starts on its own), a pass's three tokens
-    # leave together
-    assert len(bodies) <= k + n + 1
-    assert sum(b["body"].count(b"data: ") == n for b in bodies) >= k - 3
+    # n*k tokens in k writes: a pass's three tokens leave together (the first write also
+    # carries the three role chunks, the last [DONE])
+    assert len(bodies) == k
+    assert [b["body"].count(b"data: ") for b in bodies] == [2 * n] + [n] * (k - 2) + [n + 1]
 
 
 def test_a_client_leaving_cancels_the_stream_and_frees_everything(runs: dict) -> None:
