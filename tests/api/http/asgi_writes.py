@@ -95,6 +95,9 @@ async def main(state: Path) -> dict:
             sent = await _call(app, _body(max_tokens=9, stream_options={"include_usage": usage}))
             out[f"k9_usage_{usage}"] = _plain(sent)
         out["n3_k10"] = _plain(await _call(app, _body(max_tokens=10, n=3)))
+        plain = await _call(app, _body(max_tokens=24))
+        drafted = await _call(app, _body(max_tokens=24, speculative={"num_draft": 4}))
+        out["plain_k24"], out["drafted_k24"] = _plain(plain), _plain(drafted)
         served = app.state.service.models.get(QWEN, kind="chat")
         used = served.model.pool_stats().in_use
         t0 = time.monotonic()

@@ -92,3 +92,18 @@ def test_a_client_leaving_cancels_the_stream_and_frees_everything(runs: dict) ->
     assert all(m["more_body"] for m in bodies)  # nothing pretends the stream ended well
     assert leave["in_flight_after"] == 0
     assert leave["pages_after"] == leave["pages_before"]
+
+
+def test_a_drafted_steps_tokens_share_a_write(runs: dict) -> None:
+    """Speculative decoding keeps several tokens per pass; they leave in one write. The tiny
+    random model's greedy text repeats itself, so prompt lookup drafts what it says next."""
+    plain, drafted = runs["plain_k24"], runs["drafted_k24"]
+
+    def text(sent: list[dict]) -> str:
+        chunks = _events(sent)[:-1]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+
+    assert text(drafted) == text(plain)  # the same answer, token for token
+    assert len(_events(drafted)) == len(_events(plain))  # an event per token either way
+    writes = sum(m["type"] == "http.response.body" for m in drafted)
+    assert writes < sum(m["type"] == "http.response.body" for m in plain) == 24
