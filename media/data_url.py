@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 
 from media.errors import InvalidRequestError, MediaTooLargeError, UnsupportedFormatError
 from media.limits import DEFAULT_LIMITS, MediaLimits
 
-_WHITESPACE = re.compile(r"\s+")
 _ACCEPTED = {
     "image": ("image/",),
     "audio": ("audio/",),
@@ -62,8 +60,13 @@ def decode_data_url(url: str, *, kind: str, limits: MediaLimits | None = None) -
     if "base64" not in params[1:]:
         raise InvalidRequestError("data URL payload must be base64 (';base64,')", kind=kind)
     payload = url[comma + 1 :]
-    if _WHITESPACE.search(payload):
-        payload = _WHITESPACE.sub("", payload)
+    try:  # the usual payload, without whitespace: one pass in C
+        return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    # Whitespace (or a bad character): strip whitespace and try again. Stripping first with a
+    # regex scan cost ~0.5 ms per 64 KiB payload, on the server's event loop.
+    payload = "".join(payload.split())
     payload += "=" * (-len(payload) % 4)
     try:
         return base64.b64decode(payload, validate=True)
