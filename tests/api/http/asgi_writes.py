@@ -20,7 +20,7 @@ from api.http.settings import ServeSettings
 QWEN = "tiny-qwen3-vl"
 
 
-async def _call(app: Any, body: dict, *, leave_after: int | None = None) -> list[dict]:
+async def _call(app: Any, body: dict, *, leave_after: int | None = None, stall: bool = False) -> list[dict]:
     """POST ``body`` to /v1/chat/completions through the ASGI interface; the recorded
     messages. ``leave_after=m``: the client disconnects once m body messages arrived."""
     raw = json.dumps(body).encode()
@@ -56,6 +56,8 @@ async def _call(app: Any, body: dict, *, leave_after: int | None = None) -> list
         bodies = sum(m["type"] == "http.response.body" for m in sent)
         if leave_after is not None and bodies >= leave_after:
             gone.set()
+            if stall:  # the client stopped reading: the write waits on a full socket buffer
+                await asyncio.Event().wait()
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             gone.set()  # as uvicorn: a finished response reads as a disconnect
 
@@ -102,11 +104,20 @@ async def main(state: Path) -> dict:
         used = served.model.pool_stats().in_use
         t0 = time.monotonic()
         sent = await _call(app, _body(max_tokens=4000), leave_after=3)
-        out["leave"] = {
+        out["leave"] = leave = {
             "messages": _plain(sent),
             "seconds": time.monotonic() - t0,
             "in_flight_after": served.in_flight,
             "pages_before": used,
+            "pages_after": served.model.pool_stats().in_use,
+        }
+        t0 = time.monotonic()
+        sent = await _call(app, _body(max_tokens=4000), leave_after=3, stall=True)
+        out["leave_while_writing"] = {
+            **leave,
+            "messages": _plain(sent),
+            "seconds": time.monotonic() - t0,
+            "in_flight_after": served.in_flight,
             "pages_after": served.model.pool_stats().in_use,
         }
     return out

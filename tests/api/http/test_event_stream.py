@@ -84,11 +84,15 @@ def test_n_choices_of_one_pass_share_a_write(runs: dict) -> None:
     assert [b["body"].count(b"data: ") for b in bodies] == [2 * n] + [n] * (k - 2) + [n + 1]
 
 
-def test_a_client_leaving_cancels_the_stream_and_frees_everything(runs: dict) -> None:
-    leave = runs["leave"]
+@pytest.mark.parametrize("when", ["leave", "leave_while_writing"])
+def test_a_client_leaving_cancels_the_stream_and_frees_everything(runs: dict, when: str) -> None:
+    """Between tokens, or while a write waits on a client that stopped reading."""
+    leave = runs[when]
     assert leave["seconds"] < 60  # cancelled, not run to 4000 tokens
     bodies = [m for m in leave["messages"] if m["type"] == "http.response.body"]
     assert 3 <= len(bodies) < 50
+    if when == "leave_while_writing":
+        assert len(bodies) == 3
     assert all(m["more_body"] for m in bodies)  # nothing pretends the stream ended well
     assert leave["in_flight_after"] == 0
     assert leave["pages_after"] == leave["pages_before"]
