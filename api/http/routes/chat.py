@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
@@ -80,9 +80,13 @@ async def chat_completions(
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            return await cancel_on_disconnect(
+            answer = await cancel_on_disconnect(
                 request, _whole(completion, body, served.name, service, started)
             )
+            # Serialized once, in pydantic's core: handing FastAPI the model would validate it
+            # again against the response model and encode it twice more (the OpenAPI schema
+            # still comes from ``response_model``).
+            return Response(answer.model_dump_json(), media_type="application/json")
         finally:
             await completion.aclose()
             admission.release()
