@@ -223,15 +223,22 @@ class Completion:
         await self.start()
         while self._remaining:
             group: list[ChoiceEvent] = []
-            ev = self._take(await self._queue.get())
-            if ev is not None:
-                group.append(ev)
-            while self._remaining and not self._queue.empty():
-                ev = self._take(self._queue.get_nowait())
-                if ev is not None:
-                    group.append(ev)
+            failure: BaseException | None = None
+            item = await self._queue.get()
+            try:
+                while True:
+                    ev = self._take(item)
+                    if ev is not None:
+                        group.append(ev)
+                    if not self._remaining or self._queue.empty():
+                        break
+                    item = self._queue.get_nowait()
+            except BaseException as e:  # noqa: BLE001 - a choice failed: raised after what came before it
+                failure = e
             if group:
                 yield group
+            if failure is not None:
+                raise failure
 
     async def aclose(self) -> None:
         for t in self._tasks:

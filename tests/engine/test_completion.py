@@ -244,3 +244,39 @@ def test_batches_group_what_one_pass_produced_and_flag_the_end(fresh_qwen: Model
     # decode pass serves all three: their tokens come out together, a group per pass.
     assert [len(g) for g in groups] == [n] * k
     assert finished == [False] * (len(groups) - 1) + [True]
+
+
+def test_batches_hand_out_the_events_before_a_failure_first(fresh_qwen: Model) -> None:
+    """A choice that fails mid-pass: the tokens queued before its error (here choice 0's token
+    of that pass) still come out, as they do event by event, and then the error."""
+    calls = 0
+
+    def fail_on_sixth(ids, probs) -> int:  # two choices per pass: the 6th call is choice 1, pass 3
+        nonlocal calls
+        calls += 1
+        if calls == 6:
+            raise RuntimeError("sampler failed")
+        return int(ids[0])
+
+    params = CompletionParams(sampler=Sampler.custom(fail_on_sixth), max_tokens=8, n=2, ignore_eos=True)
+    turns = [Turn("user", ("Count.",))]
+
+    async def run(grouped: bool) -> tuple[list[int], str]:
+        nonlocal calls
+        calls = 0
+        seen: list[int] = []
+        async with Completion(fresh_qwen, turns, params) as c:
+            try:
+                if grouped:
+                    async for group in c.batches():
+                        seen.extend(ev.index for ev in group)
+                else:
+                    async for ev in c:
+                        seen.append(ev.index)
+            except RuntimeError as e:
+                return seen, str(e)
+        return seen, ""
+
+    flat, grouped = run_sync(run(False)), run_sync(run(True))
+    assert flat == ([0, 1, 0, 1, 0], "sampler failed")
+    assert grouped == flat
