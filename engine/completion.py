@@ -207,10 +207,8 @@ class Completion:
         return item
 
     async def __aiter__(self) -> AsyncIterator[ChoiceEvent]:
-        await self.start()
-        while self._remaining:
-            ev = self._take(await self._queue.get())
-            if ev is not None:
+        async for group in self.batches():
+            for ev in group:
                 yield ev
 
     async def batches(self) -> AsyncIterator[list[ChoiceEvent]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -30,7 +30,10 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(
-        self, items: AsyncIterator[str], status_code: int = 200, headers: Mapping[str, str] | None = None
+        self,
+        items: AsyncGenerator[str, None],
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
     ):
         self.items = items
         self.status_code = status_code
@@ -61,16 +64,20 @@ class EventStream(Response):
         try:
             await self._stream(send)
         except OSError:  # a server on ASGI spec 2.4 says the client left by failing a send
-            await self.items.aclose()  # type: ignore[attr-defined]
+            await self._close_items()
         except asyncio.CancelledError:
             if not watcher.done():
                 raise  # cancelled from outside (server shutdown): not ours to swallow
-            # the client left: the iterator's finally blocks have run; nothing left to send
-            with contextlib.suppress(Exception):
-                await self.items.aclose()  # type: ignore[attr-defined]
+            await self._close_items()  # the client left; nothing more is sent
             self._uncancel(streaming)
         finally:
             watcher.cancel()
+
+    async def _close_items(self) -> None:
+        """Run the iterator's ``finally`` blocks now (a no-op when the cancellation already
+        went through it; needed when it came while a write waited on the client)."""
+        with contextlib.suppress(Exception):
+            await self.items.aclose()
 
     @staticmethod
     def _uncancel(task: asyncio.Task) -> None:

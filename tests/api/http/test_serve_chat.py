@@ -129,6 +129,27 @@ def test_n2_sampled_choices_are_reproducible(client: openai.OpenAI) -> None:
     assert a.usage.completion_tokens >= 2
 
 
+def test_n3_stream_reassembles_to_the_whole_answer(client: openai.OpenAI) -> None:
+    """n choices streamed (their tokens of one pass share an SSE write): each choice's
+    deltas, joined by index, give that choice's non-streamed answer, greedy."""
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    whole = client.chat.completions.create(model=QWEN, messages=msgs, max_tokens=12, temperature=0, n=3)
+    chunks = list(
+        client.chat.completions.create(
+            model=QWEN, messages=msgs, max_tokens=12, temperature=0, n=3, stream=True
+        )
+    )
+    texts, roles, finishes = ["", "", ""], [None] * 3, [None] * 3
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            roles[ch.index] = roles[ch.index] or ch.delta.role
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert roles == ["assistant"] * 3
+    assert finishes == [c.finish_reason for c in whole.choices]
+
+
 def test_logprobs(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=QWEN,
