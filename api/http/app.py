@@ -29,6 +29,7 @@ from api.http.routes import ROUTERS, batches, health, ui
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
+from engine import freeze_startup_heap, unfreeze_startup_heap
 from inferlets import InferletRuntime, RunLimits
 from media import DEFAULT_LIMITS
 from speech import SpeechModel
@@ -135,8 +136,11 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         )
         registry.ready = True
         await service.job_runner.resume_all()  # jobs a killed server left unfinished
+        frozen = freeze_startup_heap()  # the loaded heap out of the GC's walks (startup_heap.py)
+        log.info("startup heap frozen: %d objects the garbage collector will skip", frozen)
         yield
         registry.ready = False
+        unfreeze_startup_heap()
         await service.inferlet_runs.shutdown()
         await service.job_runner.shutdown()
 

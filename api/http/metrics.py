@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from api.http.registry import ModelRegistry
+from engine import frozen_objects
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -75,6 +76,19 @@ class _EngineCollector(Collector):
         yield from (in_flight, capacity, pages, contexts, kv_rows, cache, passes, steps, engine_tokens)
 
 
+class _FrozenHeapCollector(Collector):
+    """How many objects the startup freeze took out of the garbage collector's walks
+    (``engine/startup_heap.py``); prometheus-client's ``GCCollector`` beside it counts
+    the collections by generation."""
+
+    def collect(self) -> Iterator[Any]:
+        yield GaugeMetricFamily(
+            "pie_media_gc_frozen_objects",
+            "Objects frozen out of garbage collection at startup (0: not frozen)",
+            value=frozen_objects(),
+        )
+
+
 def _speech_state(served: Any, pages: Any, contexts: Any, passes: Any, steps: Any, tokens: Any) -> None:
     """A speech model's engine state: its pages, running streams, passes, rows and frames."""
     model = served.model
@@ -133,6 +147,8 @@ class ServiceMetrics:
             registry=r,
         )
         r.register(_EngineCollector(models))
+        r.register(_FrozenHeapCollector())
+        GCCollector(registry=r)  # python_gc_collections_total{generation=...} and friends
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

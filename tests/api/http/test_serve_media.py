@@ -195,8 +195,18 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
         "pie_media_requests_in_flight",
         "pie_media_engine_passes_total",
         "pie_media_engine_tokens_total",
+        'python_gc_collections_total{generation="2"}',
     ):
         assert name in text, name
+
+
+def test_the_loaded_heap_is_frozen_out_of_gc(server: Server) -> None:
+    """The server froze its startup heap (torch, transformers, the models, the framework:
+    hundreds of thousands of objects) so that oldest-generation collections under load do
+    not walk it (engine/startup_heap.py)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("pie_media_gc_frozen_objects "))
+    assert float(line.split()[1]) > 100_000, line
 
 
 def test_uploads_survive_a_restart(tmp_path: Path, samples: Path) -> None:
