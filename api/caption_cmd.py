@@ -30,11 +30,27 @@ def run_caption(
     concurrency: int = 8,
     progress: bool = True,
 ) -> int:
-    from api.jobs import expand_paths, run_caption_job
     from api.model_ref import resolve_model_dir
-    from engine import Model, caption_many_async
+    from engine import Model, frozen_startup_heap
 
     loaded = Model.load(resolve_model_dir(model))
+    with frozen_startup_heap():  # the loaded heap out of the GC's walks (engine/startup_heap.py)
+        return _caption_files(files, loaded, prompt, max_tokens, as_json, out, concurrency, progress)
+
+
+def _caption_files(
+    files: list[str],
+    loaded: Any,
+    prompt: str,
+    max_tokens: int,
+    as_json: bool,
+    out: str | None,
+    concurrency: int,
+    progress: bool,
+) -> int:
+    from api.jobs import expand_paths, run_caption_job
+    from engine import caption_many_async
+
     if out is not None:
         s = run_caption_job(
             files,

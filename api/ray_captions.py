@@ -78,9 +78,11 @@ class Caption:
         import torch
 
         from api.model_ref import load_model
+        from engine import freeze_startup_heap
 
         torch.set_num_threads(1)
         self.model = load_model(model_ref)
+        freeze_startup_heap()  # the actor's loaded heap out of the GC's walks (engine/startup_heap.py)
         self.prompt, self.max_tokens = prompt, max_tokens
         self.settings = {"model": self.model.name, "prompt": prompt, "max_tokens": max_tokens}
 

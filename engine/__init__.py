@@ -56,7 +56,12 @@ from engine.model import Model
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable
 from engine.sampling import Sampler, generator
-from engine.startup_heap import freeze_startup_heap, frozen_objects, unfreeze_startup_heap
+from engine.startup_heap import (
+    freeze_startup_heap,
+    frozen_objects,
+    frozen_startup_heap,
+    unfreeze_startup_heap,
+)
 from engine.scheduler import Scheduler
 from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens, stop_strings
 from engine.sync import SyncContext, run_sync
@@ -64,6 +69,7 @@ from engine.sync import SyncContext, run_sync
 __all__ = [
     "freeze_startup_heap",
     "frozen_objects",
+    "frozen_startup_heap",
     "unfreeze_startup_heap",
     "Architecture",
     "BatchedHead",

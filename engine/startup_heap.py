@@ -24,6 +24,8 @@ core freezes its startup heap in the same way.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def freeze_startup_heap() -> int:
@@ -44,3 +46,14 @@ def unfreeze_startup_heap() -> None:
 def frozen_objects() -> int:
     """How many objects are frozen now (0 when nothing is)."""
     return gc.get_freeze_count()
+
+
+@contextmanager
+def frozen_startup_heap() -> Iterator[int]:
+    """``freeze_startup_heap()`` on entry (yields the frozen count), ``unfreeze_startup_heap()``
+    on exit: for a command that loads a model, works, and returns to its caller."""
+    frozen = freeze_startup_heap()
+    try:
+        yield frozen
+    finally:
+        unfreeze_startup_heap()

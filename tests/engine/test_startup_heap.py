@@ -43,3 +43,20 @@ def test_freeze_and_unfreeze_the_startup_heap():
     assert got["kept_while_frozen"] is True  # frozen cyclic garbage waits...
     assert got["freed_after_unfreeze"] is True  # ...until the heap is given back
     assert got["frozen_after"] == 0
+
+
+def test_frozen_startup_heap_gives_the_heap_back_on_exit():
+    import gc
+
+    from engine import frozen_startup_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_startup_heap() as frozen:
+        assert frozen > 0 and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    try:
+        with frozen_startup_heap():
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert gc.get_freeze_count() == 0
