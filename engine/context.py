@@ -28,7 +28,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -53,8 +53,11 @@ LOGPROBS_MAX = 20
 """Alternatives per token a stream reports at most (OpenAI's limit)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
+class Row(NamedTuple):
+    """One committed or pending row of a context. A named tuple, not a frozen dataclass:
+    an image adds a row per token, and a frozen dataclass's ``__init__`` (one
+    ``object.__setattr__`` per field) made building them ~3x slower."""
+
     token: int
     pos: tuple[int, ...]
     next_pos: int
@@ -664,32 +667,40 @@ class Context:
                 f"prepared positions have shape {tuple(pos.shape)}, expected "
                 f"({arch.position_axes}, {prepared.num_rows})"
             )
-        types = prepared.mm_token_type or tuple(
-            MM_TYPES[prepared.kind] if t == prepared.placeholder_id else 0 for t in prepared.input_ids
-        )
+        placeholder_id = prepared.placeholder_id
+        ids = prepared.input_ids
+        types = prepared.mm_token_type or [MM_TYPES[prepared.kind] if t == placeholder_id else 0 for t in ids]
         anchor = self._cursor
         after = anchor + prepared.position_span
         span = Span(prepared=prepared, start=len(self._rows))
+        key = prepared.cache_key
+        positions = [tuple(p) for p in (pos + anchor).t().tolist()]
+        nexts = [max(p) + 1 for p in positions]
+        if nexts:
+            nexts[-1] = after
         emb = 0
-        pos_list = (pos + anchor).t().tolist()
-        for offset, token in enumerate(prepared.input_ids):
-            is_ph = token == prepared.placeholder_id
-            self._rows.append(
+        rows = []
+        for offset, token in enumerate(ids):
+            if token == placeholder_id:
+                e, emb = emb, emb + 1
+            else:
+                e = -1
+            rows.append(
                 Row(
-                    token=int(token),
-                    pos=tuple(pos_list[offset]),
-                    next_pos=after if offset == prepared.num_rows - 1 else max(pos_list[offset]) + 1,
-                    media=MediaRow(prepared.cache_key, offset),
-                    span=span,
-                    emb=emb if is_ph else -1,
-                    mm_type=int(types[offset]),
+                    int(token),
+                    positions[offset],
+                    nexts[offset],
+                    MediaRow(key, offset),
+                    span,
+                    e,
+                    int(types[offset]),
                 )
             )
-            emb += int(is_ph)
         if emb != prepared.token_count:
             raise InvalidRequestError(
                 f"prepared {prepared.kind} has {emb} placeholder rows but token_count {prepared.token_count}"
             )
+        self._rows.extend(rows)  # only once every check passed: a refused item leaves no rows
         self._cursor = after
 
     def _append_media(self, kind: str, media: Any, params: dict[str, Any]) -> Prepared:

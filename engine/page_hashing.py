@@ -38,6 +38,19 @@ class MediaRow:
     """Row index inside the span (delimiters included)."""
 
 
+_LENGTH = struct.Struct("<I")
+_MEDIA = struct.Struct("<Iq")
+_ROW_BY_AXES: dict[int, struct.Struct] = {}
+
+
+def _row_struct(axes: int) -> struct.Struct:
+    """``<q`` token, ``<B`` axis count, ``<{axes}q`` positions, packed in one call."""
+    row = _ROW_BY_AXES.get(axes)
+    if row is None:
+        row = _ROW_BY_AXES[axes] = struct.Struct(f"<qB{axes}q")
+    return row
+
+
 def page_key(
     parent: PageKey | None,
     tokens: Sequence[int],
@@ -46,21 +59,29 @@ def page_key(
     salt: bytes = b"",
 ) -> PageKey:
     """Key of a full page whose rows are ``tokens``/``media``/``positions`` (one entry per
-    row; ``positions[i]`` holds every position axis of row ``i``)."""
+    row; ``positions[i]`` holds every position axis of row ``i``).
+
+    The bytes hashed, in order: ``b"P"`` and the parent key (16 zero bytes for none), the
+    row count (``<I``), ``b"A"`` + length (``<I``) + salt when there is a salt, then per
+    row the token (``<q``), its axis count (``<B``) and positions (``<q`` each), and
+    ``b"t"`` for a text row or ``b"m"`` + key length and offset (``<Iq``) + the media key
+    (UTF-8). They are joined and hashed at once: one update per row part cost more than
+    the hashing (an image adds a row per token)."""
     if not (len(tokens) == len(media) == len(positions)):
         raise ValueError("tokens, media and positions must describe the same rows")
-    h = hashlib.blake2b(digest_size=16)
-    h.update(b"P" + (parent if parent is not None else b"\x00" * 16))
-    h.update(struct.pack("<I", len(tokens)))
+    parts = [b"P", parent if parent is not None else b"\x00" * 16, _LENGTH.pack(len(tokens))]
     if salt:  # what else shaped the K/V (the LoRA adapter stack): never shared across it
-        h.update(b"A" + struct.pack("<I", len(salt)) + salt)
+        parts += (b"A", _LENGTH.pack(len(salt)), salt)
+    key_str, key = None, b""
+    axes, row = -1, _row_struct(1)
     for tok, m, pos in zip(tokens, media, positions, strict=True):
-        h.update(struct.pack("<q", tok))
-        h.update(struct.pack("<B", len(pos)))
-        h.update(struct.pack(f"<{len(pos)}q", *pos))
+        if len(pos) != axes:
+            axes, row = len(pos), _row_struct(len(pos))
+        parts.append(row.pack(tok, axes, *pos))
         if m is None:
-            h.update(b"t")
+            parts.append(b"t")
         else:
-            key = m.key.encode()
-            h.update(b"m" + struct.pack("<Iq", len(key), m.offset) + key)
-    return h.digest()
+            if m.key is not key_str:  # a span's rows share one key string
+                key_str, key = m.key, m.key.encode()
+            parts += (b"m", _MEDIA.pack(len(key), m.offset), key)
+    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()

@@ -316,6 +316,23 @@ def test_fill_tokens_validates_ids(gemma):
     ctx.close()
 
 
+def test_refused_media_leaves_no_rows(qwen, samples):
+    import dataclasses
+
+    from media import Image
+
+    prepared = qwen.prepare(Image.from_path(samples / "images" / "gray.png"))
+    ctx = SyncContext(qwen).user("Look:")
+    before = ctx.token_ids
+    bad = dataclasses.replace(prepared, token_count=prepared.token_count + 1)
+    with pytest.raises(InvalidRequestError, match="placeholder rows but token_count"):
+        ctx.ctx._append_span(bad)
+    assert ctx.token_ids == before  # nothing of the refused item stayed
+    ctx.ctx._append_span(prepared)
+    assert ctx.token_ids == before + [int(t) for t in prepared.input_ids]
+    ctx.close()
+
+
 def test_close_during_a_pass_releases_after_it(gemma, monkeypatch):
     before = _in_use(gemma)
     gate = PassGate(gemma, monkeypatch)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import OutOfPagesError
 from engine.kv_pool import KVPool, LayerLayout
@@ -87,6 +89,52 @@ def test_page_keys_cover_tokens_media_positions_and_parent():
     assert len({base, img_a, img_b, shifted}) == 4
     m3 = page_key(None, tokens=[1], media=[None], positions=[(0, 0, 0)])
     assert m3 != page_key(None, tokens=[1], media=[None], positions=[(0, 0, 1)])
+
+
+def _streamed_key(parent, tokens, media, positions, salt=b""):
+    """The byte layout page_key documents, fed to the hash piece by piece (page keys are
+    compared across processes and replicas, so the layout must not drift)."""
+    import hashlib
+    import struct
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"P" + (parent if parent is not None else b"\x00" * 16))
+    h.update(struct.pack("<I", len(tokens)))
+    if salt:
+        h.update(b"A" + struct.pack("<I", len(salt)) + salt)
+    for tok, m, pos in zip(tokens, media, positions, strict=True):
+        h.update(struct.pack("<q", tok) + struct.pack("<B", len(pos)) + struct.pack(f"<{len(pos)}q", *pos))
+        if m is None:
+            h.update(b"t")
+        else:
+            key = m.key.encode()
+            h.update(b"m" + struct.pack("<Iq", len(key), m.offset) + key)
+    return h.digest()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(st.none(), st.binary(min_size=16, max_size=16)),
+    st.binary(max_size=24),
+    st.integers(1, 3),
+    st.lists(
+        st.tuples(
+            st.integers(-(2**63), 2**63 - 1),
+            st.one_of(
+                st.none(), st.builds(MediaRow, st.sampled_from(["a", "bé", "k" * 70]), st.integers(0, 9999))
+            ),
+            st.integers(0, 2**40),
+        ),
+        max_size=20,
+    ),
+)
+def test_page_key_hashes_the_documented_layout(parent, salt, axes, rows):
+    tokens = [t for t, _, _ in rows]
+    media = [m for _, m, _ in rows]
+    positions = [(p,) * axes for _, _, p in rows]
+    assert page_key(parent, tokens, media, positions, salt) == _streamed_key(
+        parent, tokens, media, positions, salt
+    )
 
 
 def test_sizes_are_ints():
