@@ -99,6 +99,35 @@ def test_disconnect_mid_stream_returns_the_pages(server: Server) -> None:
     assert _used_pages(server) == baseline
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_returns_the_pages(server: Server) -> None:
+    """A non-streaming request whose client gives up: its generation is cancelled, its
+    pages and its admission slot come back (api/http/disconnect.py)."""
+    baseline = _used_pages(server)
+    body = {
+        "model": QWEN,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+        "max_tokens": 4000,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    started = time.monotonic()
+    try:
+        httpx.post(f"{server.v1}/chat/completions", json=body, timeout=1.0)
+        raise AssertionError("4000 tokens came back within a second")
+    except httpx.ReadTimeout:
+        pass  # the client closes the connection here
+    deadline = time.monotonic() + 10
+    while _used_pages(server) != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _used_pages(server) == baseline
+    in_flight = re.search(
+        r'pie_media_requests_in_flight\{model="tiny-qwen3-vl"\} (\S+)',
+        httpx.get(f"{server.url}/metrics").text,
+    )
+    assert in_flight and float(in_flight.group(1)) == 0
+    assert time.monotonic() - started < 11
+
+
 def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:
     from tests.api.http.conftest import start_server, stop_server
 
