@@ -23,6 +23,18 @@ def _used_pages(server: Server, model: str = QWEN) -> int:
     return int(float(m.group(1)))
 
 
+def _long_story(*, stream: bool) -> dict:
+    """A request that generates far longer than any test waits (4000 tokens)."""
+    return {
+        "model": QWEN,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+        "max_tokens": 4000,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+
+
 def _requests(samples: Path) -> list[dict]:
     images = [samples / "images" / n for n in ("photo_640x480.jpg", "rgba.png", "cmyk.jpg", "gray.png")]
     urls = [f"data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" for p in images]
@@ -74,14 +86,7 @@ def test_32_concurrent_clients_equal_alone(server: Server, samples: Path) -> Non
 
 def test_disconnect_mid_stream_returns_the_pages(server: Server) -> None:
     baseline = _used_pages(server)
-    body = {
-        "model": QWEN,
-        "messages": [{"role": "user", "content": "Write a very long story."}],
-        "max_tokens": 4000,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = _long_story(stream=True)
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", f"{server.v1}/chat/completions", json=body) as r,
@@ -103,13 +108,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_returns_the_pages(server: S
     """A non-streaming request whose client gives up: its generation is cancelled, its
     pages and its admission slot come back (api/http/disconnect.py)."""
     baseline = _used_pages(server)
-    body = {
-        "model": QWEN,
-        "messages": [{"role": "user", "content": "Write a very long story."}],
-        "max_tokens": 4000,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = _long_story(stream=False)
     started = time.monotonic()
     try:
         httpx.post(f"{server.v1}/chat/completions", json=body, timeout=1.0)
@@ -133,14 +132,7 @@ def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:
 
     srv = start_server(tmp_path, "--max-concurrency", "1", models=("tiny",))
     try:
-        body = {
-            "model": QWEN,
-            "messages": [{"role": "user", "content": "Long story."}],
-            "max_tokens": 4000,
-            "temperature": 0,
-            "stream": True,
-            "ignore_eos": True,
-        }
+        body = _long_story(stream=True)
         with (
             httpx.Client(timeout=60) as http,
             http.stream("POST", f"{srv.v1}/chat/completions", json=body) as r,
