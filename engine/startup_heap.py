@@ -17,8 +17,8 @@ requests with a 640x480 image and one generated token each, in one process:
 collections skip. Objects in it that later die through their reference counts are freed
 as usual. Only cyclic garbage among them stays until ``unfreeze_startup_heap()``. Call
 ``freeze_startup_heap()`` once the models are loaded, before serving; the server does this
-at the end of its startup and calls ``unfreeze_startup_heap()`` at shutdown. vLLM's engine
-core freezes its startup heap in the same way.
+at the end of its startup and calls ``unfreeze_startup_heap()`` at shutdown. vLLM does
+the same after its server's startup (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``).
 """
 
 from __future__ import annotations
