@@ -232,7 +232,8 @@ def pin_process(pid: int, cpus: set[int]) -> None:
 
 
 def _run_fast(coro):
-    """``asyncio.run`` on uvloop when it is installed (the lighter loop for the client)."""
+    """``asyncio.run`` on uvloop when it is installed: the loop uvicorn gives the server, so
+    the engine process runs on it too; the lighter one for the client."""
     try:
         import uvloop
     except ImportError:
@@ -304,7 +305,8 @@ def _engine_worker(
     while conn.recv() == "go":
         cpu0, main0 = process_tree_cpu(os.getpid()), main_thread_cpu(os.getpid())
         m0 = model.metrics()
-        row = asyncio.run(_engine_round(model, images, reqs, concurrency, max_tokens))
+        # uvloop when installed, as uvicorn runs the server's (it cost ~5% less loop CPU here)
+        row = _run_fast(_engine_round(model, images, reqs, concurrency, max_tokens))
         row["cpu_s"] = process_tree_cpu(os.getpid()) - cpu0
         row["cpu_main_s"] = main_thread_cpu(os.getpid()) - main0
         m1 = model.metrics()
