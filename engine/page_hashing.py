@@ -73,7 +73,8 @@ def page_key(
     if salt:  # what else shaped the K/V (the LoRA adapter stack): never shared across it
         parts += (b"A", _LENGTH.pack(len(salt)), salt)
     key_str, key = None, b""
-    axes, row = -1, _row_struct(1)
+    axes = len(positions[0]) if positions else 1  # rows of a page share their axis count
+    row = _row_struct(axes)
     for tok, m, pos in zip(tokens, media, positions, strict=True):
         if len(pos) != axes:
             axes, row = len(pos), _row_struct(len(pos))
