@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from engine.decode_graphs import BUCKETS
+from speech.hf_cache import cache_keyword
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class DepthGraphs:
         depth = hf.depth_decoder
         cfg = depth.config
         self.depth = depth
+        self.cache_keyword = cache_keyword(depth)
         self.embed = depth.model.embed_tokens
         self.vocab = int(depth.model.vocab_size)
         self.num_codebooks = int(hf.config.num_codebooks)
@@ -180,7 +182,9 @@ class DepthGraphs:
             for layer in cache.layers:
                 layer.seek(i + 1)
             embeds = self.embed(ids + i * self.vocab)[:, None]
-        out = self.depth(inputs_embeds=embeds, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.depth(
+            inputs_embeds=embeds, use_cache=True, logits_to_keep=1, **{self.cache_keyword: cache}
+        )
         self.logits[:bucket].copy_(out.logits[:, -1])
 
     # -- capture ahead of traffic ---------------------------------------------------------------

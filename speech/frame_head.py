@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from speech.hf_cache import cache_keyword
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -87,6 +89,7 @@ class FrameHead:
         self.hf = hf
         self.suppress = suppress
         self.num_codebooks = int(hf.config.num_codebooks)
+        self.cache_keyword = cache_keyword(hf.depth_decoder)
         self.frames = 0
         """Frames made so far (all streams)."""
         self.graphs: Any = None
@@ -112,9 +115,9 @@ class FrameHead:
                 out = hf.depth_decoder(
                     input_ids=step_ids,
                     backbone_last_hidden_state=hidden if i == 0 else None,
-                    past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
+                    **{self.cache_keyword: cache},
                 )
                 logits = out.logits[:, -1, :]
             code = pick_rows(logits, self.suppress, depth_levels, gens)

@@ -17,6 +17,7 @@ from media import InvalidRequestError
 from speech import SpeechModel
 from speech.depth_graphs import DepthGraphs
 from speech.frame_head import GREEDY, FrameRequest, Sampling
+from speech.hf_cache import cache_keyword
 
 SECONDS = 5 / 12.5  # five frames
 TEXTS = [f"Voice {i} says something of its own." for i in range(8)]
@@ -51,9 +52,9 @@ def _plain_depth(
             step = hf.depth_decoder(
                 input_ids=ids,
                 backbone_last_hidden_state=hidden if i == 0 else None,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{cache_keyword(hf.depth_decoder): cache},
             )
             out.append(step.logits[:, -1].clone())
             ids = codes[i][:, None]

@@ -242,3 +242,21 @@ def test_only_the_backbone_attends_over_pages(csm) -> None:
     assert csm.hf.config._attn_implementation == "pie_paged"
     others = [m.config for m in csm.hf.modules() if hasattr(m, "config") and m.config is not csm.hf.config]
     assert others and all(c._attn_implementation != "pie_paged" for c in others)
+
+
+def test_depth_steps_use_the_cache_keyword_transformers_takes(csm) -> None:
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns every
+    call, and goes in 5.40): speaking passes whichever the installed version takes, and so
+    raises no deprecation warning."""
+    import inspect
+    import warnings
+
+    from speech.hf_cache import cache_keyword
+
+    depth = csm.head.hf.depth_decoder
+    keyword = cache_keyword(depth)
+    assert keyword in inspect.signature(depth.forward).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        clip = csm.speak(text="No warnings.", speaker=0, max_duration=SECONDS, temperature=0)
+    assert len(clip.codes) > 0
