@@ -24,6 +24,7 @@ from api.http.job_runner import JobRunner
 from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
+from api.http.openapi import install_openapi
 from api.http.registry import ModelRegistry, ServedModel, add_lora_modules
 from api.http.routes import ROUTERS, batches, health, ui
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
@@ -152,6 +153,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     )
     app.state.service = service
     install_error_handlers(app, on_error=lambda code: service.metrics.media_errors.labels(code).inc())
+    install_openapi(app, Service.error_responses(400)[400]["description"])  # 400, not FastAPI's 422
     auth = [Depends(bearer_auth(keys))] if keys.enabled else []
     app.include_router(health.router)
     app.include_router(ui.router)  # the static page; its API calls carry the key

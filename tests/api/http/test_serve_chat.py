@@ -284,6 +284,25 @@ def test_openapi_lists_every_endpoint_and_errors(server: Server) -> None:
     assert docs.status_code == 200 and "cdn" not in docs.text.lower()
 
 
+def test_openapi_documents_validation_failures_as_the_400_they_are(server: Server) -> None:
+    """A query or body that fails validation is answered 400 in OpenAI's error shape; the
+    document says so (FastAPI's default says 422 with a body of its own)."""
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            for status, response in op["responses"].items():
+                body = response.get("content", {}).get("application/json", {}).get("schema")
+                assert status != "422" or body == error, (method, path)
+    jobs = spec["paths"]["/v1/jobs"]["get"]["responses"]
+    assert jobs["400"]["content"]["application/json"]["schema"] == error and "422" not in jobs
+    r = httpx.get(f"{server.v1}/jobs", params={"limit": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    # routes that answer 422 for their own reasons (an inferlet's trap, a remote fetch) keep it
+    assert "422" in spec["paths"]["/v1/chat/completions"]["post"]["responses"]
+
+
 def test_several_images_fetched_together_keep_their_order(
     client: openai.OpenAI, samples: Path, local_qwen
 ) -> None:
