@@ -90,6 +90,27 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "~2x the rows of bfloat16 in the same memory; fp8_e4m3 runs on flashinfer, int8 on torch attention)",
     )
     sv.add_argument(
+        "--encoder-cache-mib",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="media embeddings each text model keeps for repeated media (default 512; 0: none)",
+    )
+    sv.add_argument(
+        "--prepared-cache-mib",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="prepared encoder inputs (resized, patched pixels) each text model keeps (default 1024; 0: none)",
+    )
+    sv.add_argument(
+        "--decoded-media-cache-mib",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="decoded images and audio kept by content hash, server-wide (default 256; 0: none)",
+    )
+    sv.add_argument(
         "--max-speech-streams",
         type=int,
         default=None,
@@ -163,6 +184,9 @@ def run_serve(args: argparse.Namespace) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": args.cuda_graphs,
         "max_speech_streams": args.max_speech_streams,
+        "encoder_cache_mib": args.encoder_cache_mib,
+        "prepared_cache_mib": args.prepared_cache_mib,
+        "decoded_media_cache_mib": args.decoded_media_cache_mib,
         "lora_modules": args.lora_modules,
         "inferlet_cache_dir": args.inferlet_cache_dir,
         "max_inferlet_runs": args.max_inferlet_runs,

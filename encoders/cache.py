@@ -28,6 +28,9 @@ class CacheStats:
     evictions: int = 0
     bytes: int = 0
     entries: int = 0
+    prepared_bytes: int = 0
+    """Bytes of prepared model inputs held (their own budget, ``prepared_byte_budget``)."""
+    prepared_entries: int = 0
 
 
 class EncoderCache:
@@ -65,6 +68,8 @@ class EncoderCache:
             while self._prepared_bytes > self.prepared_byte_budget:
                 _, evicted = self._prepared.popitem(last=False)
                 self._prepared_bytes -= prepared_nbytes(evicted)
+            self.stats.prepared_bytes = self._prepared_bytes
+            self.stats.prepared_entries = len(self._prepared)
 
     def get(self, key: str) -> Encoded | None:
         with self._lock:

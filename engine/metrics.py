@@ -78,6 +78,10 @@ class MetricsSnapshot:
     kv_capacity_rows: int = 0
     """Rows of K/V the pool holds in all (``PoolStats.capacity_rows``)."""
     kv_dtype: str = ""
+    encoder_cache_bytes: int = 0
+    """Bytes of media embeddings the encoder cache holds (bounded by its byte budget)."""
+    prepared_cache_bytes: int = 0
+    """Bytes of prepared encoder inputs it holds (a budget of their own)."""
     """What the pages store (``Model.load(kv_dtype=...)``)."""
 
     @property

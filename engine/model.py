@@ -289,6 +289,8 @@ class Model:
             itl=c.itl.to_dict(),
             kv_capacity_rows=pool.capacity_rows,
             kv_dtype=pool.kv_dtype,
+            encoder_cache_bytes=cache.bytes if cache else 0,
+            prepared_cache_bytes=cache.prepared_bytes if cache else 0,
         )
 
     @property

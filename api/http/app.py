@@ -96,13 +96,15 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     )
     local = LocalMediaPolicy(settings.allowed_local_media_path, max_bytes=limits.max_bytes)
     jobs = JobStore(settings.state_dir / "jobs.sqlite3", index=index(settings.state_dir / "jobs.sqlite3"))
-    resolver = MediaResolver(store, fetcher, local, limits)
+    resolver = MediaResolver(
+        store, fetcher, local, limits, decoded_cache_bytes=settings.decoded_media_cache_mib << 20
+    )
     service = Service(
         settings=settings,
         models=registry,
         store=store,
         media=resolver,
-        metrics=ServiceMetrics(registry),
+        metrics=ServiceMetrics(registry, decoded_cache_bytes=lambda: resolver.decoded.nbytes),
         jobs=jobs,
         job_runner=JobRunner(
             jobs, store, registry, resolver, lease_s=settings.job_lease_s, poll_s=settings.job_poll_s

@@ -67,6 +67,14 @@ class DecodedMediaCache:
                 _, (_, dropped) = self._items.popitem(last=False)
                 self._bytes -= dropped
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of decoded media held now (at most ``byte_budget``)."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
     def __repr__(self) -> str:
         return f"DecodedMediaCache({len(self._items)} items, {self._bytes} bytes, hits={self.hits}, misses={self.misses})"
 
@@ -80,13 +88,18 @@ payloads, and every decode that misses the cache, still run on a thread."""
 
 class MediaResolver:
     def __init__(
-        self, store: MediaStore, fetcher: MediaFetcher, local: LocalMediaPolicy, limits: MediaLimits
+        self,
+        store: MediaStore,
+        fetcher: MediaFetcher,
+        local: LocalMediaPolicy,
+        limits: MediaLimits,
+        decoded_cache_bytes: int = DECODED_CACHE_BYTES,
     ):
         self.store = store
         self.fetcher = fetcher
         self.local = local
         self.limits = limits
-        self.decoded = DecodedMediaCache()
+        self.decoded = DecodedMediaCache(decoded_cache_bytes)
 
     async def from_url(self, url: str, kind: str) -> Any:
         """The ``kind`` media object a URL names."""

@@ -4,7 +4,7 @@ at scrape time by a collector; request-side events are counted as they happen.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
@@ -42,6 +42,12 @@ class _EngineCollector(Collector):
         cache = CounterMetricFamily(
             "pie_media_encoder_cache", "Encoder-cache lookups by result", labels=["model", "result"]
         )
+        cache_bytes = GaugeMetricFamily(
+            "pie_media_encoder_cache_bytes",
+            "Bytes the encoder cache holds: media embeddings, and prepared encoder inputs "
+            "(each within its budget: --encoder-cache-mib, --prepared-cache-mib)",
+            labels=["model", "kind"],
+        )
         passes = CounterMetricFamily("pie_media_engine_passes", "Batched forward passes", labels=["model"])
         steps = CounterMetricFamily(
             "pie_media_engine_steps", "Context steps served by those passes", labels=["model"]
@@ -69,11 +75,28 @@ class _EngineCollector(Collector):
             kv_rows.add_metric([served.name, m.kv_dtype], m.kv_capacity_rows)
             cache.add_metric([served.name, "hit"], m.encoder_cache_hits)
             cache.add_metric([served.name, "miss"], m.encoder_cache_misses)
+            cache_bytes.add_metric([served.name, "embeddings"], m.encoder_cache_bytes)
+            cache_bytes.add_metric([served.name, "prepared"], m.prepared_cache_bytes)
             passes.add_metric([served.name], m.passes)
             steps.add_metric([served.name], m.steps)
             engine_tokens.add_metric([served.name, "prompt"], m.prompt_tokens)
             engine_tokens.add_metric([served.name, "generated"], m.generated_tokens)
-        yield from (in_flight, capacity, pages, contexts, kv_rows, cache, passes, steps, engine_tokens)
+        yield from (in_flight, capacity, pages, contexts, kv_rows, cache, cache_bytes, passes, steps)
+        yield engine_tokens
+
+
+class _DecodedMediaCollector(Collector):
+    """The server-wide cache of decoded media (``media_refs.DecodedMediaCache``)."""
+
+    def __init__(self, nbytes: Callable[[], int]):
+        self.nbytes = nbytes
+
+    def collect(self) -> Iterator[Any]:
+        yield GaugeMetricFamily(
+            "pie_media_decoded_media_cache_bytes",
+            "Bytes of decoded images and audio kept for repeats (--decoded-media-cache-mib)",
+            value=self.nbytes(),
+        )
 
 
 class _FrozenHeapCollector(Collector):
@@ -109,7 +132,7 @@ def _speech_state(served: Any, pages: Any, contexts: Any, passes: Any, steps: An
 
 
 class ServiceMetrics:
-    def __init__(self, models: ModelRegistry):
+    def __init__(self, models: ModelRegistry, decoded_cache_bytes: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -147,6 +170,7 @@ class ServiceMetrics:
             registry=r,
         )
         r.register(_EngineCollector(models))
+        r.register(_DecodedMediaCollector(decoded_cache_bytes))
         r.register(_FrozenHeapCollector())
         GCCollector(registry=r)  # python_gc_collections_total{generation=...} and friends
 

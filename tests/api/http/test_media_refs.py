@@ -44,9 +44,28 @@ def test_budget_evicts_least_recent(samples: Path) -> None:
         cache.put(("image", str(i)), img)
     assert cache.get(("image", "0")) is None
     assert cache.get(("image", "1")) is img and cache.get(("image", "2")) is img
+    assert (len(cache), cache.nbytes) == (2, 2 * img.nbytes)
     big = DecodedMediaCache(byte_budget=img.nbytes - 1)
     big.put(("image", "x"), img)
-    assert big.get(("image", "x")) is None
+    assert big.get(("image", "x")) is None and big.nbytes == 0
+
+
+def test_a_zero_budget_keeps_nothing(tmp_path: Path, samples: Path) -> None:
+    """--decoded-media-cache-mib 0: every request decodes its bytes afresh."""
+    r = MediaResolver(
+        MediaStore(tmp_path / "store"),
+        MediaFetcher(),
+        LocalMediaPolicy(None, max_bytes=1 << 20),
+        DEFAULT_LIMITS,
+        decoded_cache_bytes=0,
+    )
+    png = (samples / "images" / "rgba.png").read_bytes()
+
+    async def twice():
+        return await r.decode(png, "image"), await r.decode(png, "image")
+
+    a, b = asyncio.run(twice())
+    assert a is not b and a.content_hash == b.content_hash and r.decoded.nbytes == 0
 
 
 def test_fast_token_chunk_equals_the_pydantic_one() -> None:

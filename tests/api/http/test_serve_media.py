@@ -200,6 +200,39 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
         assert name in text, name
 
 
+def test_cache_sizes_are_in_metrics(server: Server, client: openai.OpenAI) -> None:
+    """What the encoder caches and the decoded-media cache hold, in bytes: a new image
+    raises all three."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image as PILImage
+
+    def held() -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+            for key in ('kind="embeddings"', 'kind="prepared"', "pie_media_decoded_media_cache_bytes "):
+                if f'model="{QWEN}"' in line and key in line or line.startswith(key):
+                    out[key] = float(line.split()[-1])
+        return out
+
+    before = held()
+    pixels = np.random.default_rng(11).integers(0, 255, (48, 64, 3), dtype=np.uint8)  # new content
+    png = io.BytesIO()
+    PILImage.fromarray(pixels).save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    client.chat.completions.create(
+        model=QWEN,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+        max_tokens=1,
+    )
+    after = held()
+    assert len(after) == 3, after
+    for key, value in after.items():
+        assert value > before.get(key, 0), (key, before, after)
+
+
 def test_the_loaded_heap_is_frozen_out_of_gc(server: Server) -> None:
     """The server froze its startup heap (torch, transformers, the models, the framework:
     hundreds of thousands of objects) so that oldest-generation collections under load do

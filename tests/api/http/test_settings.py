@@ -12,6 +12,7 @@ from api.http.settings import ServeSettings
 
 def test_auto_dtype_follows_the_device() -> None:
     cpu = ServeSettings(device="cpu").model_load_options()
+    cpu.pop("encoder_cache")
     assert cpu == {"device": "cpu", "dtype": torch.float32, "attention": "auto", "max_speech_streams": 16}
     cuda = ServeSettings(device="cuda:1", attention="flashinfer").model_load_options()
     assert cuda["dtype"] is torch.bfloat16 and cuda["device"] == "cuda:1"
@@ -31,7 +32,46 @@ def test_explicit_options_pass_through() -> None:
     assert opts["dtype"] is torch.float16 and opts["kv_pages"] == 64 and opts["cuda_graphs"] == 32
 
 
-@pytest.mark.parametrize("bad", [{"dtype": "int8"}, {"kv_pages": 0}, {"cuda_graphs": -1}])
+def test_cache_budgets_reach_each_models_encoder(samples) -> None:
+    """--encoder-cache-mib / --prepared-cache-mib size each text model's own encoder cache
+    (one per model); 0 keeps nothing, and the engine's metrics say what each holds."""
+    from api.model_ref import load_model
+    from media import Image
+
+    image = Image.from_path(samples / "images" / "rgba.png")
+    held = {}
+    for mib in (0, 8):
+        settings = ServeSettings(device="cpu", encoder_cache_mib=mib, prepared_cache_mib=2 * mib)
+        a, b = settings.model_load_options()["encoder_cache"], settings.model_load_options()["encoder_cache"]
+        assert a is not b and (a.byte_budget, a.prepared_byte_budget) == (mib << 20, 2 * mib << 20)
+        model = load_model("tiny", **settings.model_load_options())
+        encoder = model.encoder
+        assert encoder.cache.byte_budget == mib << 20
+        encoder.encode([encoder.prepare(image)])
+        encoder.encode([encoder.prepare(image)])
+        m = model.metrics()
+        held[mib] = (
+            m.encoder_cache_bytes,
+            m.prepared_cache_bytes,
+            encoder.prepare_calls,
+            encoder.tower_calls,
+        )
+    assert held[0] == (0, 0, 2, 2)  # nothing kept: the repeat prepares and encodes again
+    embeddings, prepared, prepares, towers = held[8]
+    assert embeddings > 0 and prepared > 0 and (prepares, towers) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"dtype": "int8"},
+        {"kv_pages": 0},
+        {"cuda_graphs": -1},
+        {"encoder_cache_mib": -1},
+        {"prepared_cache_mib": -1},
+        {"decoded_media_cache_mib": -1},
+    ],
+)
 def test_bad_values_are_refused(bad: dict) -> None:
     with pytest.raises(pydantic.ValidationError):
         ServeSettings(**bad)
@@ -40,5 +80,8 @@ def test_bad_values_are_refused(bad: dict) -> None:
 def test_serve_refuses_bad_options_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--cuda-graphs", "-1"]) == 2
     assert "cuda_graphs" in capsys.readouterr().err
+    for flag in ("--encoder-cache-mib", "--prepared-cache-mib", "--decoded-media-cache-mib"):
+        assert main(["serve", flag, "-1"]) == 2
+        assert flag[2:].replace("-", "_") in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         main(["serve", "--dtype", "int8"])
