@@ -99,19 +99,22 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     resolver = MediaResolver(
         store, fetcher, local, limits, decoded_cache_bytes=settings.decoded_media_cache_mib << 20
     )
+    runs = RunTable(max_running=settings.max_inferlet_runs)
     service = Service(
         settings=settings,
         models=registry,
         store=store,
         media=resolver,
-        metrics=ServiceMetrics(registry, decoded_cache_bytes=lambda: resolver.decoded.nbytes),
+        metrics=ServiceMetrics(
+            registry, decoded_cache_bytes=lambda: resolver.decoded.nbytes, inferlet_runs=lambda: runs.running
+        ),
         jobs=jobs,
         job_runner=JobRunner(
             jobs, store, registry, resolver, lease_s=settings.job_lease_s, poll_s=settings.job_poll_s
         ),
         files=FileStore(settings.state_dir, index=index(settings.state_dir / "files.sqlite3")),
         inferlet_store=InferletStore(settings.state_dir),
-        inferlet_runs=RunTable(max_running=settings.max_inferlet_runs),
+        inferlet_runs=runs,
     )
     service.job_runner.batch_line = functools.partial(batches.run_line, service)
     service.job_runner.on_batch_done = functools.partial(batches.write_outputs, service)

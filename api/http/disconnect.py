@@ -11,6 +11,15 @@ from starlette.requests import Request
 
 T = TypeVar("T")
 POLL_S = 0.05
+CLIENT_CLOSED_REQUEST = 499
+"""The status a request ends with when its client left first (nginx's, for logs and
+metrics; nobody reads it)."""
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; the work was cancelled. The app
+    answers it with ``CLIENT_CLOSED_REQUEST`` (``errors.py``), so the request ends as a
+    counted status rather than an exception the server logs as an error."""
 
 
 def _body_read(request: Request) -> bool:
@@ -38,15 +47,24 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client disconnects first, cancel it (its ``finally`` blocks
-    close contexts and free pages) and raise ``CancelledError``."""
+    close contexts and free pages) and raise ``ClientDisconnected``. A cancellation from
+    outside (server shutdown) stays a ``CancelledError``."""
     task = asyncio.ensure_future(work)
+    left = False
 
     async def watch() -> None:
+        nonlocal left
         await _wait_for_disconnect(request)
+        left = True
         task.cancel()
 
     watcher = asyncio.create_task(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if left and task.cancelled() and not (current is not None and current.cancelling()):
+            raise ClientDisconnected() from None
+        raise
     finally:
         watcher.cancel()

@@ -13,9 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.http.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected
 from media import PieMediaError
 
 log = logging.getLogger("pie_media.http")
@@ -176,6 +177,13 @@ def install_error_handlers(app: FastAPI, on_error: Any = None) -> None:
             }.get(exc.status_code)
             body = error_body(str(exc.detail), exc.status_code, code=code)
         return JSONResponse(body, exc.status_code, headers=dict(exc.headers or {}))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _left(request: Request, exc: ClientDisconnected) -> Response:
+        log.info(
+            "client left %s %s before its answer; the work was cancelled", request.method, request.url.path
+        )
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

@@ -59,8 +59,12 @@ class RunTable:
         self._runs: OrderedDict[str, RunRecord] = OrderedDict()
 
     def __repr__(self) -> str:
-        running = sum(1 for r in self._runs.values() if not r.done)
-        return f"RunTable({len(self._runs)} runs, {running} running)"
+        return f"RunTable({len(self._runs)} runs, {self.running} running)"
+
+    @property
+    def running(self) -> int:
+        """Runs not finished yet."""
+        return sum(1 for r in self._runs.values() if not r.done)
 
     def get(self, run_id: str) -> RunRecord | None:
         return self._runs.get(run_id)

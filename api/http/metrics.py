@@ -85,17 +85,22 @@ class _EngineCollector(Collector):
         yield engine_tokens
 
 
-class _DecodedMediaCollector(Collector):
-    """The server-wide cache of decoded media (``media_refs.DecodedMediaCache``)."""
+class _ServerStateCollector(Collector):
+    """Server-wide state read at scrape time: the decoded-media cache's bytes
+    (``media_refs.DecodedMediaCache``) and the inferlet runs still going."""
 
-    def __init__(self, nbytes: Callable[[], int]):
-        self.nbytes = nbytes
+    def __init__(self, decoded_cache_bytes: Callable[[], int], inferlet_runs: Callable[[], int]):
+        self.decoded_cache_bytes = decoded_cache_bytes
+        self.inferlet_runs = inferlet_runs
 
     def collect(self) -> Iterator[Any]:
         yield GaugeMetricFamily(
             "pie_media_decoded_media_cache_bytes",
             "Bytes of decoded images and audio kept for repeats (--decoded-media-cache-mib)",
-            value=self.nbytes(),
+            value=self.decoded_cache_bytes(),
+        )
+        yield GaugeMetricFamily(
+            "pie_media_inferlet_runs_running", "Inferlet runs not finished", value=self.inferlet_runs()
         )
 
 
@@ -132,7 +137,12 @@ def _speech_state(served: Any, pages: Any, contexts: Any, passes: Any, steps: An
 
 
 class ServiceMetrics:
-    def __init__(self, models: ModelRegistry, decoded_cache_bytes: Callable[[], int] = lambda: 0):
+    def __init__(
+        self,
+        models: ModelRegistry,
+        decoded_cache_bytes: Callable[[], int] = lambda: 0,
+        inferlet_runs: Callable[[], int] = lambda: 0,
+    ):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -170,7 +180,7 @@ class ServiceMetrics:
             registry=r,
         )
         r.register(_EngineCollector(models))
-        r.register(_DecodedMediaCollector(decoded_cache_bytes))
+        r.register(_ServerStateCollector(decoded_cache_bytes, inferlet_runs))
         r.register(_FrozenHeapCollector())
         GCCollector(registry=r)  # python_gc_collections_total{generation=...} and friends
 

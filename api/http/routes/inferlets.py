@@ -28,7 +28,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.http.deps import Service, get_service
-from api.http.disconnect import cancel_on_disconnect
+from api.http.disconnect import ClientDisconnected, cancel_on_disconnect
 from api.http.errors import ServiceError
 from api.http.inferlet_runs import RunRecord
 from api.http.inferlet_schemas import (
@@ -211,7 +211,7 @@ async def start_run(
     assert rec.task is not None
     try:
         await cancel_on_disconnect(request, asyncio.shield(rec.task))
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ClientDisconnected):  # the client left, or shutdown
         service.inferlet_runs.cancel(rec)
         raise
     if rec.status != "succeeded":

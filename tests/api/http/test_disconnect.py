@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from api.http.disconnect import cancel_on_disconnect
+from api.http.disconnect import ClientDisconnected, cancel_on_disconnect
 
 SCOPE = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
 
@@ -53,7 +53,7 @@ def test_a_read_body_means_one_waiting_receive_and_the_work_is_cancelled():
         await asyncio.sleep(0.3)  # six polls' worth: a poller would have called receive
         assert client.calls == calls_after_body + 1
         client.left.set()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(ClientDisconnected):
             await asyncio.wait_for(answer, 5)
         assert cancelled == [True]
 
@@ -89,8 +89,31 @@ def test_a_body_read_later_then_a_client_that_leaves():
         answer = asyncio.ensure_future(cancel_on_disconnect(request, route()))
         await asyncio.wait_for(read.wait(), 5)
         client.left.set()
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(ClientDisconnected):
             await asyncio.wait_for(answer, 5)
+
+    asyncio.run(main())
+
+
+def test_a_cancellation_from_outside_stays_a_cancellation():
+    """Server shutdown cancels the request's task: that is not the client leaving, and
+    it must not be turned into an answer."""
+
+    async def main():
+        client = Client([b"{}"])
+        request = Request(SCOPE, client.receive)
+        await request.body()
+        started = asyncio.Event()
+
+        async def work():
+            started.set()
+            await asyncio.Event().wait()
+
+        answer = asyncio.ensure_future(cancel_on_disconnect(request, work()))
+        await asyncio.wait_for(started.wait(), 5)
+        answer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await answer
 
     asyncio.run(main())
 

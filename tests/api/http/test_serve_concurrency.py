@@ -125,6 +125,18 @@ def test_disconnect_while_waiting_for_a_whole_answer_returns_the_pages(server: S
     )
     assert in_flight and float(in_flight.group(1)) == 0
     assert time.monotonic() - started < 11
+    # It ends as a counted 499 (client closed request), not as an error in the server's log.
+    assert _count(server, "/v1/chat/completions", "499") >= 1
+    assert "Exception in ASGI application" not in server.log_text()
+
+
+def _count(server: Server, route: str, status: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    m = re.search(
+        rf'pie_media_http_requests_total\{{method="POST",route="{re.escape(route)}",status="{status}"\}} (\S+)',
+        text,
+    )
+    return float(m.group(1)) if m else 0.0
 
 
 def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:

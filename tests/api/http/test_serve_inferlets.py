@@ -187,6 +187,26 @@ def test_client_leaving_a_stream_cancels_its_run(server: Server, inferlet_id: st
     assert run["status"] == "cancelled"
 
 
+def test_client_leaving_a_whole_run_cancels_it(server: Server, inferlet_id: str) -> None:
+    """A run awaited whole (not streamed, not in the background) whose client gives up is
+    cancelled with it, and the request ends as a counted 499, not a logged error."""
+
+    def running() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("pie_media_inferlet_runs_running "))
+        return float(line.split()[1])
+
+    before = running()
+    body = {"args": ["video-qa", QWEN, "?", "4", "2", "-"], "close_input": False}  # waits for input
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.v1}/inferlets/{inferlet_id}/runs", json=body, timeout=1.5)
+    deadline = time.monotonic() + 20
+    while running() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running() == before
+    assert "Exception in ASGI application" not in server.log_text()
+
+
 def test_delete_is_last(server: Server, inferlet_id: str) -> None:
     """(Last in this file: the other tests use the uploaded component.)"""
     r = httpx.delete(f"{server.v1}/inferlets/{inferlet_id}")
