@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from encoders import Prepared
 
 Message = dict[str, Any]
+ROLES = ("system", "user", "assistant")
+"""The roles a chat turn can have (each a ``Context`` method)."""
 
 
 class ChatTemplate:
@@ -75,6 +77,14 @@ class ChatTemplate:
         """Text that appending ``message`` to ``history`` adds."""
         return self._delta(
             self.render(history), self.render([*history, message]), f"a {message['role']} turn"
+        )
+
+    def turns(self, history: list[Message], messages: list[Message]) -> str:
+        """Text that appending all of ``messages`` to ``history`` adds, from two renders
+        whatever their number (``turn`` per message renders the history twice each time:
+        a conversation sent whole would cost the square of its length)."""
+        return self._delta(
+            self.render(history), self.render([*history, *messages]), f"{len(messages)} turn(s)"
         )
 
     def cue(self, history: list[Message]) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import stopping
+from engine.chat import ROLES
 from engine.context import Context
 from engine.drafting import DraftSpec
 from engine.errors import InvalidRequestError
@@ -26,8 +27,6 @@ from engine.grammar import Grammar
 from engine.lora import Adapter
 from engine.model import Model
 from engine.sampling import Sampler
-
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -115,8 +114,7 @@ class Completion:
         self._contexts.append(root)
         for adapter, scale in self.params.adapters:
             root.adapters.push(adapter, scale)
-        for turn, parts in zip(self.turns, prepared, strict=True):
-            getattr(root, turn.role)(*parts)
+        root.turns((turn.role, parts) for turn, parts in zip(self.turns, prepared, strict=True))
         root.cue()
         await root.flush()
         if self.params.n > 1:

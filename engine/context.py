@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from engine import sampling, stopping
-from engine.chat import ChatState, chat_message, template_pieces
+from engine.chat import ROLES, ChatState, Message, chat_message, template_pieces
 from engine.drafting import MAX_DRAFT, Drafter, checked_draft
 from engine.errors import ContextClosedError, InvalidRequestError
 from engine.forward import LogitsWanted, MediaRows, StepInput
@@ -225,6 +225,29 @@ class Context:
 
     def assistant(self, *content: Any) -> Context:
         return self._turn("assistant", content)
+
+    def turns(self, turns: Iterable[tuple[str, Sequence[Any]]]) -> Context:
+        """Several turns at once, each ``(role, content parts)`` with role ``"system"``,
+        ``"user"`` or ``"assistant"``: the rows the same role calls in order would append
+        (for a prefix-stable template, token for token), with the template rendered once for
+        all of them, as the reference processor renders a whole conversation. A history sent
+        whole (a chat request) goes here: role call by role call, each renders the history
+        again."""
+        self._check_open()
+        messages: list[Message] = []
+        media: list[Prepared] = []
+        for role, content in turns:
+            if role not in ROLES:
+                raise InvalidRequestError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
+            message, items = chat_message(role, content, self.model.prepare)
+            messages.append(message)
+            media.extend(items)
+        if not messages:
+            return self
+        self._close_turn()
+        self._fill_template(self.model.chat.turns(self._chat.messages, messages), media)
+        self._chat.messages.extend(messages)
+        return self
 
     def cue(self) -> Context:
         """The template's generation prompt (e.g. ``<|im_start|>assistant\\n``)."""

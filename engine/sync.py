@@ -71,6 +71,10 @@ class SyncContext:
         self.ctx.assistant(*content)
         return self
 
+    def turns(self, turns: Any) -> SyncContext:
+        self.ctx.turns(turns)
+        return self
+
     def cue(self) -> SyncContext:
         self.ctx.cue()
         return self

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # ------------------------------------------------------------------ chat completions: request
 
+MAX_MESSAGES = 2048
+"""Messages in one chat request (OpenAI answers more with a 400 too)."""
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -120,7 +123,8 @@ class SpeculativeOptions(BaseModel):
 
 class ChatCompletionRequest(_Lenient):
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    """At most ``MAX_MESSAGES``, OpenAI's own limit."""
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)

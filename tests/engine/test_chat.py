@@ -27,6 +27,49 @@ def test_multi_turn_history_equals_the_template(models, name):
     ctx.close()
 
 
+@pytest.mark.parametrize("name", [TINY_QWEN, TINY_GEMMA])
+def test_turns_at_once_equal_role_calls_with_two_renders(models, name, samples, monkeypatch):
+    """``turns`` appends what the same role calls append (an image included, and after a
+    generated turn), rendering the template twice however long the conversation: role
+    calls render it twice per turn, which made a 20000-message request hold the event
+    loop for minutes."""
+    from media import Image
+
+    model = models[name]
+    photo = Image.from_path(samples / "images" / "rgba.png")
+    convo = [
+        ("system", ("Be brief.",)),
+        ("user", (photo, "What is this?")),
+        ("assistant", ("A square.",)),
+        ("user", ("And the colour?",)),
+    ]
+    one = SyncContext(model)
+    for role, parts in convo:
+        getattr(one, role)(*parts)
+    one.cue()
+    renders = []
+    original = type(model.chat).render
+    monkeypatch.setattr(
+        type(model.chat), "render", lambda self, *a, **k: renders.append(1) or original(self, *a, **k)
+    )
+    many = SyncContext(model).turns(convo * 25)
+    assert len(renders) == 2
+    renders.clear()
+    both = SyncContext(model).turns(convo).cue()
+    assert both.token_ids == one.token_ids
+    assert [(s.start, s.rows) for s in both.spans] == [(s.start, s.rows) for s in one.spans]
+    # after a generation, the open assistant turn is closed first, as a role call does
+    one.generate(Sampler.greedy(), max_tokens(3))
+    both.generate(Sampler.greedy(), max_tokens(3))
+    one.user("Again?").system("Short.").cue()
+    both.turns([("user", ("Again?",)), ("system", ("Short.",))]).cue()
+    assert both.token_ids == one.token_ids
+    with pytest.raises(InvalidRequestError, match="role"):
+        many.turns([("robot", ("x",))])
+    for ctx in (one, many, both):
+        ctx.close()
+
+
 def test_turn_after_generation_closes_the_assistant_turn_qwen(qwen):
     # the model "answered" with its end-of-turn token: only the newline is missing
     ctx = SyncContext(qwen).user("Hi!").cue().fill("Hello there.<|im_end|>").user("And now?").cue()

@@ -334,3 +334,19 @@ def test_several_images_fetched_together_keep_their_order(
             model=QWEN, messages=[{"role": "user", "content": bad + content}], max_tokens=2
         )
     assert e.value.status_code == 400 and e.value.body["code"] == "corrupt"
+
+
+def test_more_messages_than_openai_takes_is_a_400(server: Server) -> None:
+    """OpenAI's limit, 2048 messages; the 2049th is refused before any template runs."""
+    from api.http.schemas import MAX_MESSAGES
+
+    body = {
+        "model": QWEN,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1),
+    }
+    r = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    body["messages"] = body["messages"][:MAX_MESSAGES]
+    r = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 2 * MAX_MESSAGES
