@@ -90,6 +90,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "~2x the rows of bfloat16 in the same memory; fp8_e4m3 runs on flashinfer, int8 on torch attention)",
     )
     sv.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="longest prompt + completion a chat model takes (default: its trained positions); "
+        "past it: 400 context_length_exceeded",
+    )
+    sv.add_argument(
         "--encoder-cache-mib",
         type=int,
         default=None,
@@ -184,6 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": args.cuda_graphs,
         "max_speech_streams": args.max_speech_streams,
+        "max_model_len": args.max_model_len,
         "encoder_cache_mib": args.encoder_cache_mib,
         "prepared_cache_mib": args.prepared_cache_mib,
         "decoded_media_cache_mib": args.decoded_media_cache_mib,

@@ -29,6 +29,7 @@ from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.drafting import Drafter, DraftSpec, PromptLookupDrafter
 from engine.embeddings import POOLINGS, embed_async, embed_counted_async, embed_many_async
 from engine.errors import (
+    ContextLengthExceededError,
     AdapterMismatchError,
     AdapterNotFoundError,
     AttentionBackendUnavailableError,
@@ -113,6 +114,7 @@ __all__ = [
     "complete",
     "AttentionBackendUnavailableError",
     "QuantizationUnavailableError",
+    "ContextLengthExceededError",
     "CheckpointShapeError",
     "Context",
     "ContextClosedError",

@@ -22,7 +22,7 @@ from engine import stopping
 from engine.chat import ROLES
 from engine.context import Context
 from engine.drafting import DraftSpec
-from engine.errors import InvalidRequestError
+from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.grammar import Grammar
 from engine.lora import Adapter
 from engine.model import Model
@@ -55,6 +55,10 @@ class CompletionParams:
     """LoRA adapters (with scales) every choice runs under, bottom of the stack first."""
     speculative: DraftSpec | None = None
     """Speculative decoding: each choice drafts with its own ``speculative.make()``."""
+    max_tokens_is_default: bool = False
+    """``max_tokens`` is a default the caller did not choose: where the prompt leaves less
+    room in ``Model.max_model_len``, generate up to that room instead of refusing (OpenAI's
+    and vLLM's behaviour when ``max_tokens`` is left out)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class Completion:
         self.turns = tuple(turns)
         self.params = params
         self.prompt_tokens = 0
+        self.max_tokens = params.max_tokens
+        """Tokens each choice may generate: ``params.max_tokens``, or less for a default
+        that the context length cuts (known once ``start`` returned)."""
         self.completion_tokens = [0] * params.n
         self._contexts: list[Context] = []
         self._tasks: list[asyncio.Task] = []
@@ -116,6 +123,7 @@ class Completion:
             root.adapters.push(adapter, scale)
         root.turns((turn.role, parts) for turn, parts in zip(self.turns, prepared, strict=True))
         root.cue()
+        self._fit(len(root))  # before any row is computed
         await root.flush()
         if self.params.n > 1:
             # The head runs on the prompt's last row once, before forking: each fork would
@@ -152,8 +160,27 @@ class Completion:
                     raise p
         return out
 
+    def _fit(self, prompt: int) -> None:
+        """Refuse a prompt that, with the tokens asked for, does not fit the context length."""
+        limit = self.model.max_model_len
+        if limit is None:
+            return
+        room = limit - prompt
+        if self.params.max_tokens_is_default and room >= 1:
+            self.max_tokens = min(self.params.max_tokens, room)
+        if prompt + self.max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {limit} tokens; the messages make "
+                f"{prompt} and {self.max_tokens} more were asked for (max_tokens). Shorten the "
+                "messages or lower max_tokens",
+                param="messages",
+                limit=limit,
+                prompt_tokens=prompt,
+                max_tokens=self.max_tokens,
+            )
+
     def _stop(self) -> stopping.StopCondition:
-        cond: stopping.StopCondition = stopping.max_tokens(self.params.max_tokens)
+        cond: stopping.StopCondition = stopping.max_tokens(self.max_tokens)
         if self.model.eos_token_ids and not self.params.ignore_eos:
             cond = cond | stopping.eos(self.model.eos_token_ids)
         if self.params.stop:

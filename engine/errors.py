@@ -106,3 +106,11 @@ class QuantizationUnavailableError(EngineError, InvalidRequestError):
     this device; the message lists what is available here."""
 
     code = "quantization_unavailable"
+
+
+class ContextLengthExceededError(EngineError, InvalidRequestError):
+    """A prompt with the tokens asked for does not fit the model's context length
+    (``Model.max_model_len``); ``details`` carry ``limit``, ``prompt_tokens`` and
+    ``max_tokens``. OpenAI's code for it."""
+
+    code = "context_length_exceeded"

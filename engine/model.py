@@ -45,6 +45,7 @@ from engine.lora import Adapter, load_adapter
 from engine.metrics import EngineCounters, MetricsSnapshot
 from engine.saved import SavedContexts
 from engine.scheduler import Scheduler
+from media import check_int
 
 if TYPE_CHECKING:
     from encoders import CacheStats, EncoderCache, MediaEncoder, Prepared
@@ -89,6 +90,9 @@ class Model:
         self.device = device
         self.dtype = dtype
         self.quantization = quantization
+        self.max_model_len: int | None = None
+        """The longest prompt plus completion a ``Completion`` takes (None: no limit known);
+        ``Model.load(max_model_len=...)``, else the checkpoint's position count."""
         """What the weights are stored as: None (the load dtype), "int8", "int4", "fp8" or
         "fp8-dequantized" (an FP8 checkpoint on the CPU); ``engine.quantization``."""
         self.pool = pool
@@ -126,6 +130,7 @@ class Model:
         cuda_graphs: int = 0,
         quantization: str | None = None,
         kv_dtype: str | torch.dtype | None = None,
+        max_model_len: int | None = None,
     ) -> Model:
         """Load the checkpoint directory ``path`` (a tiny fixture name is resolved to its
         directory by ``api.model_ref``; here it is a ``ModelLoadError``).
@@ -149,6 +154,9 @@ class Model:
         (row, kv head) scales on the torch backend; one fixed scale per layer on
         flashinfer, whose fp8 kernels read it in place). A quantized pool holds ~2x (bf16)
         to ~4x (float32) the rows in the same ``kv_memory``.
+        max_model_len: the longest prompt plus completion a ``Completion`` takes (vLLM's
+        ``--max-model-len``; default and ceiling: the checkpoint's
+        ``max_position_embeddings``); past it, ``ContextLengthExceededError``.
         """
         check_attention_choice(attention)
         resolve_kv_dtype(kv_dtype, dtype)  # an unknown name fails before anything loads
@@ -200,6 +208,15 @@ class Model:
             device=dev,
             kv_dtype=kv_format,
         )
+        trained = _max_positions(hf.config)
+        if max_model_len is not None:
+            max_model_len = check_int("max_model_len", max_model_len, min=1)
+            if trained is not None and max_model_len > trained:
+                raise InvalidRequestError(
+                    f"max_model_len {max_model_len} is over the model's {trained} positions",
+                    param="max_model_len",
+                    limit=trained,
+                )
         if cuda_graphs < 0:
             raise InvalidRequestError(f"cuda_graphs must be >= 0 (0: off), got {cuda_graphs}")
         if cuda_graphs and dev.type != "cuda":
@@ -229,6 +246,7 @@ class Model:
             except ValueError as e:
                 raise InvalidRequestError(f"cuda_graphs cannot be used with this model: {e}") from None
             model.runner.graphs.warm()  # every bucket captured before the first request
+        model.max_model_len = max_model_len if max_model_len is not None else trained
         return model
 
     # -- facts ------------------------------------------------------------------------------
@@ -359,3 +377,10 @@ def _default_kv_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * DEFAULT_CUDA_KV_FRACTION)
     return DEFAULT_CPU_KV_BYTES
+
+
+def _max_positions(config: Any) -> int | None:
+    """The checkpoint's trained position count (its text config's ``max_position_embeddings``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None

@@ -34,6 +34,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "unsupported_media": 400,
     "unsupported_model": 400,
     "text_too_long": 400,
+    "context_length_exceeded": 400,
     "empty_text": 400,
     "unsupported_voice": 400,
     "unsupported_audio_format": 400,

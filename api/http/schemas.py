@@ -228,6 +228,8 @@ class ModelCard(BaseModel):
     media_kinds: list[str]
     parent: str | None = None
     """For a LoRA adapter served with ``--lora-modules``: the base model's name."""
+    max_model_len: int | None = None
+    """A chat model's longest prompt plus completion (``--max-model-len``), as vLLM reports it."""
 
 
 class ModelList(BaseModel):

@@ -87,6 +87,9 @@ class ServeSettings(BaseSettings):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"] = "auto"
     """What the text models' KV pages store (``Model.load(kv_dtype=...)``, ``engine.kv_quant``):
     auto = the model's dtype; int8 / fp8_e4m3 hold ~2-4x the rows per byte."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """The longest prompt plus completion a chat model takes (default: its trained position
+    count); past it the request is a 400 ``context_length_exceeded``."""
     encoder_cache_mib: int = Field(default=512, ge=0)
     """Media embeddings each text model keeps for repeated media, in MiB (a repeat skips
     preparation and the tower); least recently used goes first; 0: none kept."""
@@ -158,6 +161,8 @@ class ServeSettings(BaseSettings):
             out["quantization"] = self.quantization
         if self.kv_cache_dtype != "auto":
             out["kv_dtype"] = self.kv_cache_dtype
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
         out["max_speech_streams"] = self.max_speech_streams
         from encoders import EncoderCache
 

@@ -280,3 +280,34 @@ def test_batches_hand_out_the_events_before_a_failure_first(fresh_qwen: Model) -
     flat, grouped = run_sync(run(False)), run_sync(run(True))
     assert flat == ([0, 1, 0, 1, 0], "sampler failed")
     assert grouped == flat
+
+
+def test_context_length_is_checked_before_any_row_is_computed(tiny_dir) -> None:
+    """A prompt plus max_tokens over ``max_model_len`` is refused (OpenAI's
+    context_length_exceeded) before a forward pass; a default max_tokens shrinks to the
+    room left instead; the limit cannot exceed the checkpoint's positions."""
+    from engine import ContextLengthExceededError
+
+    model = Model.load(tiny_dir("tiny-qwen3-vl"), kv_pages=64, page_size=PAGE, device="cpu", max_model_len=40)
+    turns = [Turn("user", ("Say something about the weather today, please.",))]
+    passes = model.scheduler.stats.passes
+
+    async def run(params: CompletionParams) -> tuple[int, int, list[int]]:
+        async with Completion(model, turns, params) as c:
+            tokens = [ev.token async for ev in c]
+            return c.prompt_tokens, c.max_tokens, tokens
+
+    with pytest.raises(ContextLengthExceededError) as e:
+        run_sync(run(CompletionParams(max_tokens=256)))
+    prompt = e.value.details["prompt_tokens"]
+    assert e.value.code == "context_length_exceeded" and e.value.details["limit"] == 40
+    assert 0 < prompt < 40 and model.scheduler.stats.passes == passes  # nothing was computed
+    assert model.pool_stats().in_use == 0
+    fitted = CompletionParams(max_tokens=256, max_tokens_is_default=True, ignore_eos=True)
+    got_prompt, allowed, tokens = run_sync(run(fitted))
+    assert got_prompt == prompt and allowed == 40 - prompt and len(tokens) == allowed
+    exact = CompletionParams(max_tokens=40 - prompt, ignore_eos=True)
+    assert len(run_sync(run(exact))[2]) == 40 - prompt
+    with pytest.raises(InvalidRequestError, match="positions"):
+        Model.load(tiny_dir("tiny-qwen3-vl"), kv_pages=4, device="cpu", max_model_len=10**9)
+    assert Model.load(tiny_dir("tiny-gemma4"), kv_pages=4, device="cpu").max_model_len > 1000

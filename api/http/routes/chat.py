@@ -156,6 +156,7 @@ def _params(body: ChatCompletionRequest, service: Service, served: ServedModel) 
         grammar=grammar,
         adapters=((served.adapter, 1.0),) if served.adapter is not None else (),
         speculative=_speculative(body),
+        max_tokens_is_default=body.max_completion_tokens is None and body.max_tokens is None,
     )
 
 

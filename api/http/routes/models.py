@@ -29,4 +29,5 @@ def _card(m: ServedModel) -> ModelCard:
         architecture=m.architecture,
         media_kinds=m.media_kinds,
         parent=m.parent,
+        max_model_len=getattr(m.model, "max_model_len", None) if m.kind == "chat" else None,
     )

@@ -350,3 +350,20 @@ def test_more_messages_than_openai_takes_is_a_400(server: Server) -> None:
     body["messages"] = body["messages"][:MAX_MESSAGES]
     r = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 2 * MAX_MESSAGES
+
+
+def test_a_prompt_over_the_context_length_is_openais_400(server: Server) -> None:
+    """Refused before any row is computed, with OpenAI's code; /v1/models says the limit."""
+    cards = {m["id"]: m for m in httpx.get(f"{server.v1}/models").json()["data"]}
+    limit = cards[QWEN]["max_model_len"]
+    assert limit > 1000 and cards["tiny-csm"]["max_model_len"] is None
+    words = "hello " * limit  # about a token a word: over the limit with the template
+    for extra in ({}, {"max_tokens": 8}):
+        r = httpx.post(
+            f"{server.v1}/chat/completions",
+            json={"model": QWEN, "messages": [{"role": "user", "content": words}], **extra},
+            timeout=120,
+        )
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+        assert error["param"] == "messages" and str(limit) in error["message"]

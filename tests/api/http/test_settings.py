@@ -27,6 +27,14 @@ def test_speech_streams_reach_speech_models_only() -> None:
     assert load_model("tiny", **opts).name == "tiny-qwen3-vl"  # Model.load never sees the option
 
 
+def test_max_model_len_reaches_chat_models_only() -> None:
+    from api.model_ref import load_model
+
+    opts = ServeSettings(device="cpu", max_model_len=512).model_load_options()
+    assert load_model("tiny", **opts).max_model_len == 512
+    assert load_model("tiny-csm", **opts).capacity.max_streams == 16  # speech ignores it
+
+
 def test_explicit_options_pass_through() -> None:
     opts = ServeSettings(device="cpu", dtype="float16", kv_pages=64, cuda_graphs=32).model_load_options()
     assert opts["dtype"] is torch.float16 and opts["kv_pages"] == 64 and opts["cuda_graphs"] == 32
@@ -70,6 +78,7 @@ def test_cache_budgets_reach_each_models_encoder(samples) -> None:
         {"encoder_cache_mib": -1},
         {"prepared_cache_mib": -1},
         {"decoded_media_cache_mib": -1},
+        {"max_model_len": 0},
     ],
 )
 def test_bad_values_are_refused(bad: dict) -> None:
