@@ -28,6 +28,10 @@ from engine.lora import Adapter
 from engine.model import Model
 from engine.sampling import Sampler
 
+LONG_TEXT_CHARS = 64 * 1024
+"""Prompt text past which a completion tokenizes on a worker thread (a thread hop costs
+less than the tokenizer's work there; below it, the other way round)."""
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -121,7 +125,13 @@ class Completion:
         self._contexts.append(root)
         for adapter, scale in self.params.adapters:
             root.adapters.push(adapter, scale)
-        root.turns((turn.role, parts) for turn, parts in zip(self.turns, prepared, strict=True))
+        pairs = [(turn.role, parts) for turn, parts in zip(self.turns, prepared, strict=True)]
+        if sum(len(p) for _, parts in pairs for p in parts if isinstance(p, str)) > LONG_TEXT_CHARS:
+            # tokenizing ~1 MB of text takes ~0.4 s: off the event loop, which the tokenizer
+            # lets run meanwhile (the context is this completion's own until it is flushed)
+            await asyncio.to_thread(root.turns, pairs)
+        else:
+            root.turns(pairs)
         root.cue()
         self._fit(len(root))  # before any row is computed
         await root.flush()

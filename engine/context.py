@@ -35,7 +35,7 @@ import torch
 from engine import sampling, stopping
 from engine.chat import ROLES, ChatState, Message, chat_message, template_pieces
 from engine.drafting import MAX_DRAFT, Drafter, checked_draft
-from engine.errors import ContextClosedError, InvalidRequestError
+from engine.errors import ContextClosedError, ContextLengthExceededError, InvalidRequestError
 from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.grammar import Grammar, GrammarMatcher
 from engine.lora import AdapterStack
@@ -212,6 +212,7 @@ class Context:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise InvalidRequestError(f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
+        self._check_room(len(ids))
         self._append_text(ids)
         return self
 
@@ -731,6 +732,7 @@ class Context:
         prepared = self.model.prepare(media, **params)
         if prepared.kind != kind:
             raise InvalidRequestError(f"append_{kind} was given {prepared.kind} media")
+        self._check_room(prepared.token_count)
         self._append_span(prepared)
         return prepared
 
@@ -744,11 +746,28 @@ class Context:
         return self
 
     def _fill_template(self, text: str, media: list[Prepared]) -> None:
-        for piece in template_pieces(text, media, self.model.arch):
-            if isinstance(piece, str):
-                self._append_text(self.model.tokenize(piece))
+        pieces = [
+            self.model.tokenize(p) if isinstance(p, str) else p
+            for p in template_pieces(text, media, self.model.arch)
+        ]  # all tokenized first: a prompt over the context length builds no rows
+        self._check_room(sum(len(p) if isinstance(p, list) else p.token_count for p in pieces))
+        for piece in pieces:
+            if isinstance(piece, list):
+                self._append_text(piece)
             else:
                 self._append_span(piece)
+
+    def _check_room(self, more: int) -> None:
+        """Refuse input that would take the context past ``model.max_model_len`` rows."""
+        limit = self.model.max_model_len
+        if limit is not None and len(self._rows) + more > limit:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {limit} tokens; the prompt makes at "
+                f"least {len(self._rows) + more}. Shorten it",
+                param="messages",
+                limit=limit,
+                prompt_tokens=len(self._rows) + more,
+            )
 
     def _close_turn(self) -> None:
         """After a generation in an open assistant turn, complete the turn as the template

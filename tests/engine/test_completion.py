@@ -308,6 +308,29 @@ def test_context_length_is_checked_before_any_row_is_computed(tiny_dir) -> None:
     assert got_prompt == prompt and allowed == 40 - prompt and len(tokens) == allowed
     exact = CompletionParams(max_tokens=40 - prompt, ignore_eos=True)
     assert len(run_sync(run(exact))[2]) == 40 - prompt
+    # A context never takes input past the limit, and a refused piece leaves no rows.
+    ctx = Context(model)
+    ctx.fill("word " * 30)
+    held = len(ctx)
+    for add in (
+        lambda: ctx.fill("word " * 30),
+        lambda: ctx.user("word " * 30),
+        lambda: ctx.fill_tokens([1] * 30),
+    ):
+        with pytest.raises(ContextLengthExceededError):
+            add()
+        assert len(ctx) == held
+    ctx.close()
+    with pytest.raises(ContextLengthExceededError) as e:  # the prompt alone is over
+        run_sync(_long(model))
+    assert e.value.details["prompt_tokens"] > 40
     with pytest.raises(InvalidRequestError, match="positions"):
         Model.load(tiny_dir("tiny-qwen3-vl"), kv_pages=4, device="cpu", max_model_len=10**9)
     assert Model.load(tiny_dir("tiny-gemma4"), kv_pages=4, device="cpu").max_model_len > 1000
+
+
+async def _long(model: Model) -> None:
+    text = "word " * 20_000  # over LONG_TEXT_CHARS: tokenized on a worker thread
+    async with Completion(model, [Turn("user", (text,))], CompletionParams(max_tokens_is_default=True)) as c:
+        async for _ in c:
+            pass
