@@ -127,12 +127,15 @@ class Sampler:
 
 
 def generator(seed: int | None = None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh generator for one context; seeded when `seed` is given, else from OS entropy."""
+    """A fresh generator for one context; seeded when `seed` is given, else from OS entropy.
+    Any integer seeds it: torch takes a seed as 64 unsigned bits (a negative one in two's
+    complement), so ``seed mod 2**64`` is the same stream for every seed torch accepts and
+    a valid one for the rest (an overflow error before)."""
     g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed(seed % 2**64)
     return g
 
 

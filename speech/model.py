@@ -417,7 +417,7 @@ class SpeechModel:
         frames = self.max_frames(max_duration)
         backbone, depth = self._sampling(temperature, top_k)
         if seed is not None:
-            seed = check_int("seed", seed, min=0)
+            seed = check_int("seed", seed, min=0, max=2**64 - 1)
         ids, embeds, keys = self._prompt(text, speaker, context or ())
         room = self.max_positions - len(ids)
         if room < 1:

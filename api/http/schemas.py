@@ -133,7 +133,8 @@ class ChatCompletionRequest(_Lenient):
     min_p: float | None = Field(default=None, ge=0, le=1, description="extension (vLLM)")
     ignore_eos: bool = Field(default=False, description="extension (vLLM): generate through EOS")
     n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    """A 64-bit integer, as in OpenAI's schema."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

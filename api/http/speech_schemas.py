@@ -38,7 +38,7 @@ class SpeechRequest(BaseModel):
     max_duration: float | None = Field(default=None, gt=0, le=300, description="seconds of audio at most")
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_k: int | None = Field(default=None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
 
 
 class Voice(BaseModel):

@@ -343,3 +343,16 @@ def test_shape_errors() -> None:
         sample(torch.full((1, 3), float("-inf")), Sampler.multinomial())
     with pytest.raises(ValueError, match="generators"):
         sample(torch.zeros(2, 3), Sampler.multinomial(), [generator(0)])
+
+
+def test_any_integer_seeds_a_generator_as_torch_would() -> None:
+    """torch reads a seed as 64 unsigned bits and overflows past them; ours takes any int,
+    the same stream wherever torch takes the seed itself."""
+    import torch
+
+    from engine.sampling import generator
+
+    for seed in (0, 7, -5, 2**63 - 1, -(2**63), 2**64 - 1):
+        ours = torch.rand(4, generator=generator(seed))
+        assert torch.equal(ours, torch.rand(4, generator=torch.Generator().manual_seed(seed)))
+    assert torch.equal(torch.rand(4, generator=generator(2**80 + 3)), torch.rand(4, generator=generator(3)))

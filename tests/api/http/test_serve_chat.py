@@ -367,3 +367,20 @@ def test_a_prompt_over_the_context_length_is_openais_400(server: Server) -> None
         error = r.json()["error"]
         assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
         assert error["param"] == "messages" and str(limit) in error["message"]
+
+
+def test_seeds_are_64_bit_integers(server: Server) -> None:
+    """Past int64 (OpenAI's schema) a seed is a 400; the largest one still serves n choices
+    (each seeded seed + i, past int64: no overflow inside)."""
+
+    def ask(seed: int, n: int = 1) -> httpx.Response:
+        body = {"model": QWEN, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        return httpx.post(
+            f"{server.v1}/chat/completions", json={**body, "seed": seed, "n": n, "temperature": 1}
+        )
+
+    assert ask(2**80).status_code == 400 and ask(2**80).json()["error"]["param"] == "seed"
+    assert ask(-(2**63) - 1).status_code == 400
+    top = ask(2**63 - 1, n=3)
+    assert top.status_code == 200 and len(top.json()["choices"]) == 3
+    assert ask(2**63 - 1, n=3).json()["choices"] == top.json()["choices"]  # reproducible
