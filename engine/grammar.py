@@ -195,7 +195,18 @@ class GrammarMatcher:
     def allowed(self) -> torch.Tensor:
         """(vocab,) bool: the tokens the grammar allows next."""
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        self._raise_if_failed()
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab].astype(bool))
+
+    def _raise_if_failed(self) -> None:
+        """A matcher that gave up (llguidance's own limits: a lexer past its budget of
+        expressions, ...) says why, instead of refusing the next token for no stated reason."""
+        if self._m.is_error():
+            reason = self._m.get_error().split("\n", 1)[0][:300]
+            raise GrammarError(
+                f"the {self.grammar.kind} cannot be followed past token {self.tokens} "
+                f"(llguidance: {reason}); simplify it"
+            )
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of (vocab,) ``logits`` with every token the grammar forbids at -inf."""
@@ -213,8 +224,9 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         """Advance past ``token`` (a typed error when the grammar forbids it: a custom
         sampler chose outside the mask)."""
-        if not self._m.consume_token(int(token)) or self._m.is_error():
+        if not self._m.consume_token(int(token)):
             raise GrammarError(f"token {token} is not allowed by the {self.grammar.kind} here")
+        self._raise_if_failed()  # taken, and then the matcher gave up
         self.tokens += 1
 
     def forced(self) -> list[int]:

@@ -181,6 +181,18 @@ def test_custom_sampler_choosing_outside_the_grammar_is_a_typed_error(qwen):
     assert repr(Grammar.regex("[0-9]+")) == "Grammar.regex('[0-9]+')"
 
 
+def test_a_grammar_past_llguidances_limits_says_so(qwen):
+    """A regex whose lexer outgrows llguidance's budget: the error names that, not the
+    token the sampler chose (it read "token 151645 is not allowed here" before)."""
+    matcher = GrammarMatcher(Grammar.regex("(a|aa)*(b|bb)*" * 200), qwen)
+    for token in qwen.tokenize("aab"):
+        matcher.accept(token)
+    with pytest.raises(GrammarError, match="cannot be followed.*too many expressions"):
+        for token in sorted(qwen.eos_token_ids):  # allowed by the mask; the lexer gives up
+            matcher.allowed()
+            matcher.accept(token)
+
+
 def test_mask_fits_a_head_wider_or_narrower_than_the_vocabulary(qwen):
     """Checkpoints pad their LM head past the tokenizer's vocabulary: the extra ids are
     masked out; a narrower row is masked on the ids it has."""
