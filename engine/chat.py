@@ -73,19 +73,12 @@ class ChatTemplate:
             )
         return after[len(before) :]
 
-    def turn(self, history: list[Message], message: Message) -> str:
-        """Text that appending ``message`` to ``history`` adds."""
-        return self._delta(
-            self.render(history), self.render([*history, message]), f"a {message['role']} turn"
-        )
-
     def turns(self, history: list[Message], messages: list[Message]) -> str:
         """Text that appending all of ``messages`` to ``history`` adds, from two renders
-        whatever their number (``turn`` per message renders the history twice each time:
-        a conversation sent whole would cost the square of its length)."""
-        return self._delta(
-            self.render(history), self.render([*history, *messages]), f"{len(messages)} turn(s)"
-        )
+        whatever their number (a render per message would make a conversation sent whole
+        cost the square of its length)."""
+        what = f"a {messages[0]['role']} turn" if len(messages) == 1 else f"{len(messages)} turns"
+        return self._delta(self.render(history), self.render([*history, *messages]), what)
 
     def cue(self, history: list[Message]) -> str:
         """Text of the generation prompt after ``history``."""

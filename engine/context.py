@@ -738,12 +738,7 @@ class Context:
 
     # -- internals: chat --------------------------------------------------------------------
     def _turn(self, role: str, content: Sequence[Any]) -> Context:
-        self._check_open()
-        self._close_turn()
-        message, media = chat_message(role, content, self.model.prepare)
-        self._fill_template(self.model.chat.turn(self._chat.messages, message), media)
-        self._chat.messages.append(message)
-        return self
+        return self.turns([(role, content)])
 
     def _fill_template(self, text: str, media: list[Prepared]) -> None:
         pieces = [
