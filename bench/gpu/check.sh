@@ -49,6 +49,29 @@ run_step() {  # name command...: run it, record ok/failed and its time
   if "$@"; then record "$name" ok $((SECONDS - t0)); return 0; fi
   record "$name" failed $((SECONDS - t0)); return 1
 }
+PAR_DIR="$OUT_DIR/.gpu_check_parallel"
+PAR_NAMES=()
+par_step() {  # name command...: start it in the background, its output to a log of its own
+  local i=${#PAR_NAMES[@]}
+  PAR_NAMES+=("$1"); shift
+  mkdir -p "$PAR_DIR"
+  # one thread each: six torch processes on few cores would otherwise oversubscribe them
+  ( t0=$SECONDS; if OMP_NUM_THREADS=1 "$@" > "$PAR_DIR/$i.log" 2>&1; then st=ok; else st=failed; fi
+    printf '%s\t%s\n' "$st" $((SECONDS - t0)) > "$PAR_DIR/$i.status" ) &
+}
+par_wait() {  # wait for the started steps; print and record each in the order started
+  wait
+  local i
+  for i in "${!PAR_NAMES[@]}"; do
+    step "${PAR_NAMES[$i]}"
+    cat "$PAR_DIR/$i.log"
+    local st secs
+    IFS=$'\t' read -r st secs < "$PAR_DIR/$i.status" || { st=failed; secs=0; }
+    record "${PAR_NAMES[$i]}" "$st" "$secs"
+  done
+  rm -rf "$PAR_DIR"
+  PAR_NAMES=()
+}
 finish() {
   "$PY" - "$STEPS" "$OUT_DIR/gpu_check.json" "$1" <<'PY'
 import json, sys
@@ -112,15 +135,18 @@ run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --coll
 if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   RUN_AS_THERE=("$PY")
   [ "$DRY" = 1 ] && RUN_AS_THERE=("$PY" -m bench.gpu.gpu_image)
-  run_step "CPU parts of the CUDA test files, as the GPU image imports them" bash -o pipefail -c \
+  # The rehearsal steps are independent: they run side by side (each its own log, printed
+  # in order after), which halves the dry run's time on two cores.
+  par_step "CPU parts of the CUDA test files, as the GPU image imports them" bash -o pipefail -c \
     "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py 2>&1 | tail -3"
-  run_step "GPU bench smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
-  run_step "quantized weight layers smoke (CPU)" "${RUN_AS_THERE[@]}" bench/quant.py --layers-only --device cpu
-  run_step "KV-cache dtypes smoke (CPU, tiny model: float32/bf16/int8/fp8 KV)" "${RUN_AS_THERE[@]}" \
+  par_step "GPU bench smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
+  par_step "quantized weight layers smoke (CPU)" "${RUN_AS_THERE[@]}" bench/quant.py --layers-only --device cpu
+  par_step "KV-cache dtypes smoke (CPU, tiny model: float32/bf16/int8/fp8 KV)" "${RUN_AS_THERE[@]}" \
     bench/kv_quant.py --smoke --device cpu --json "$OUT_DIR/kv_quant_smoke.json"
-  run_step "decode profile smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/profile_decode.py --smoke --out "$OUT_DIR"
-  run_step "speech concurrency smoke (CPU, tiny CSM)" "${RUN_AS_THERE[@]}" bench/speech.py --concurrency 1,2 \
+  par_step "decode profile smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/profile_decode.py --smoke --out "$OUT_DIR"
+  par_step "speech concurrency smoke (CPU, tiny CSM)" "${RUN_AS_THERE[@]}" bench/speech.py --concurrency 1,2 \
     --frames 2 --no-http --no-single --out "$OUT_DIR/speech_smoke.json"
+  par_wait
   echo "STOP: a CUDA GPU is needed from here on (CUDA tests, JIT compile, GPU benchmark)"
   finish dry-run
   exit 0
