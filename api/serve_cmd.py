@@ -149,6 +149,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="serve PEFT LoRA adapters as models NAME on the chat model BASE (default: the first)",
     )
     sv.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding for every chat request, vLLM\'s shape: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}\' '
+        '(a request\'s own "speculative" wins; "speculative": null turns it off)',
+    )
+    sv.add_argument(
         "--ray",
         nargs="?",
         const="",
@@ -197,6 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "prepared_cache_mib": args.prepared_cache_mib,
         "decoded_media_cache_mib": args.decoded_media_cache_mib,
         "lora_modules": args.lora_modules,
+        "speculative_config": args.speculative_config,
         "inferlet_cache_dir": args.inferlet_cache_dir,
         "max_inferlet_runs": args.max_inferlet_runs,
     }

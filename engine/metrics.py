@@ -78,11 +78,15 @@ class MetricsSnapshot:
     kv_capacity_rows: int = 0
     """Rows of K/V the pool holds in all (``PoolStats.capacity_rows``)."""
     kv_dtype: str = ""
+    """What the pages store (``Model.load(kv_dtype=...)``)."""
     encoder_cache_bytes: int = 0
     """Bytes of media embeddings the encoder cache holds (bounded by its byte budget)."""
     prepared_cache_bytes: int = 0
     """Bytes of prepared encoder inputs it holds (a budget of their own)."""
-    """What the pages store (``Model.load(kv_dtype=...)``)."""
+    drafted_tokens: int = 0
+    """Tokens proposed for verification: drafters' guesses and a grammar's forced tokens."""
+    accepted_draft_tokens: int = 0
+    """Those the model's own choice agreed with (kept without a pass of their own)."""
 
     @property
     def mean_steps_per_pass(self) -> float:

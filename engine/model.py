@@ -309,6 +309,8 @@ class Model:
             kv_dtype=pool.kv_dtype,
             encoder_cache_bytes=cache.bytes if cache else 0,
             prepared_cache_bytes=cache.prepared_bytes if cache else 0,
+            drafted_tokens=c.drafted_tokens,
+            accepted_draft_tokens=c.accepted_draft_tokens,
         )
 
     @property

@@ -55,6 +55,12 @@ class _EngineCollector(Collector):
         engine_tokens = CounterMetricFamily(
             "pie_media_engine_tokens", "Tokens the engine computed, by kind", labels=["model", "kind"]
         )
+        drafts = CounterMetricFamily(
+            "pie_media_draft_tokens",
+            "Speculative decoding: tokens proposed for verification (drafters' guesses and a "
+            "grammar's forced tokens) and those accepted",
+            labels=["model", "result"],
+        )
         for served in self.models:
             in_flight.add_metric([served.name], served.in_flight)
             capacity.add_metric([served.name], served.max_concurrency)
@@ -81,8 +87,10 @@ class _EngineCollector(Collector):
             steps.add_metric([served.name], m.steps)
             engine_tokens.add_metric([served.name, "prompt"], m.prompt_tokens)
             engine_tokens.add_metric([served.name, "generated"], m.generated_tokens)
+            drafts.add_metric([served.name, "proposed"], m.drafted_tokens)
+            drafts.add_metric([served.name, "accepted"], m.accepted_draft_tokens)
         yield from (in_flight, capacity, pages, contexts, kv_rows, cache, cache_bytes, passes, steps)
-        yield engine_tokens
+        yield from (engine_tokens, drafts)
 
 
 class _ServerStateCollector(Collector):

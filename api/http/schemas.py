@@ -146,7 +146,9 @@ class ChatCompletionRequest(_Lenient):
     tools: list[Any] | None = None
     response_format: ResponseFormat | None = None
     speculative: SpeculativeOptions | None = Field(
-        default=None, description="extension: drafts checked per pass"
+        default=None,
+        description="extension: drafts checked per pass (default: the server's "
+        "--speculative-config; null: none for this request)",
     )
     user: str | None = None
 

@@ -3,6 +3,7 @@ API key file all land here."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +30,47 @@ def parse_mm_limits(text: str | dict[str, int] | None) -> dict[str, int]:
     if unknown:
         raise ValueError(f"unknown media kind(s) {sorted(unknown)}; expected {', '.join(MEDIA_KINDS)}")
     return out
+
+
+SPECULATIVE_KEYS = {
+    "method": "method",
+    "num_speculative_tokens": "num_draft",
+    "prompt_lookup_max": "max_ngram",
+    "prompt_lookup_min": "min_ngram",
+}
+"""``--speculative-config`` keys (vLLM's names) -> ``engine.DraftSpec`` fields."""
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`` in vLLM's
+    shape -> ``engine.DraftSpec`` keyword arguments, checked (``ngram`` is vLLM's name for
+    prompt lookup); None or ``{}``: no server-wide drafting."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON ({e.msg}): {value[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {type(value).__name__}")
+    if not value:
+        return None
+    unknown = sorted(set(value) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--speculative-config: unknown key(s) {unknown}; known: {', '.join(SPECULATIVE_KEYS)}"
+        )
+    spec = {SPECULATIVE_KEYS[k]: v for k, v in value.items()}
+    if spec.get("method", "ngram") not in ("ngram", "prompt_lookup"):
+        raise ValueError(
+            f"--speculative-config: method {spec['method']!r} is not served here; 'ngram' (prompt lookup) is"
+        )
+    spec["method"] = "prompt_lookup"
+    from engine import DraftSpec
+
+    DraftSpec(**spec)  # the numbers' own checks (InvalidRequestError is a ValueError)
+    return spec
 
 
 class ServeSettings(BaseSettings):
@@ -115,6 +157,16 @@ class ServeSettings(BaseSettings):
     lora_modules: list[str] = Field(default_factory=list)
     """``NAME=PATH[@BASE]``: serve a PEFT LoRA adapter as model NAME on the served chat model
     BASE (default: the first one)."""
+
+    speculative_config: dict[str, Any] | None = None
+    """Speculative decoding for every chat request that does not set its own ``speculative``
+    (``parse_speculative_config``: vLLM's JSON shape, prompt lookup); a request turns it
+    off with ``"speculative": null``."""
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative(cls, v: object) -> dict[str, Any] | None:
+        return parse_speculative_config(v)  # type: ignore[arg-type]
 
     @field_validator("lora_modules")
     @classmethod

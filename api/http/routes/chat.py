@@ -155,15 +155,19 @@ def _params(body: ChatCompletionRequest, service: Service, served: ServedModel) 
         ignore_eos=body.ignore_eos,
         grammar=grammar,
         adapters=((served.adapter, 1.0),) if served.adapter is not None else (),
-        speculative=_speculative(body),
+        speculative=_speculative(body, service.settings.speculative_config),
         max_tokens_is_default=body.max_completion_tokens is None and body.max_tokens is None,
     )
 
 
-def _speculative(body: ChatCompletionRequest) -> DraftSpec | None:
+def _speculative(body: ChatCompletionRequest, default: dict[str, Any] | None) -> DraftSpec | None:
+    """The request's own ``speculative`` (``null``: none), else the server's
+    ``--speculative-config``."""
     spec = body.speculative
     if spec is None:
-        return None
+        if default is None or "speculative" in body.model_fields_set:
+            return None
+        return DraftSpec(**default)
     if spec.min_ngram > spec.max_ngram:
         raise InvalidRequestError("speculative.min_ngram must be <= max_ngram", param="speculative")
     return DraftSpec(spec.method, spec.num_draft, spec.max_ngram, spec.min_ngram)
