@@ -173,6 +173,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from api.malloc_arenas import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before the threads that would each take an arena start
     import uvicorn
 
     from api.http.app import create_app

@@ -166,7 +166,9 @@ class Engine:
 
     async def __init__(self, settings: dict[str, Any]):
         from api.http.app import create_app
+        from api.malloc_arenas import limit_malloc_arenas
 
+        limit_malloc_arenas()  # as `pie-media serve` does, before the models load
         self.app = create_app(ServeSettings(**settings))
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id

@@ -288,6 +288,9 @@ def _engine_worker(
     CPU-seconds around each."""
     if cpus:
         os.sched_setaffinity(0, cpus)
+    from api.malloc_arenas import limit_malloc_arenas
+
+    limit_malloc_arenas()  # as the server does first thing
     import engine  # noqa: F401, I001 - first, as in the server: OpenMP wait settings precede torch
     import torch
 
