@@ -56,7 +56,7 @@ from engine.metrics import Histogram, MetricsSnapshot
 from engine.model import Model
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable
-from engine.sampling import Sampler, generator
+from engine.sampling import GREEDY_BELOW, Sampler, generator
 from engine.startup_heap import (
     freeze_startup_heap,
     frozen_objects,
@@ -128,6 +128,7 @@ __all__ = [
     "ModelLoadError",
     "OutOfPagesError",
     "PoolStats",
+    "GREEDY_BELOW",
     "Sampler",
     "SavedContextExistsError",
     "SavedContextNotFoundError",

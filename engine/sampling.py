@@ -36,6 +36,12 @@ CustomFn = Callable[[list[int], list[float]], int]
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature under this samples as greedy (vLLM's rule): softmax(logits / T) is one-hot
+at the argmax long before T reaches 0, and a T that small overflows the division (a
+float32 ``1e-40`` is 0) into a row of NaNs. A custom sampler keeps this floor instead."""
+
+
 @dataclass(frozen=True)
 class Sampler:
     """Sampling parameters. Build with the constructors (`Sampler.top_p(0.7, 0.9)`, ...).
@@ -53,6 +59,8 @@ class Sampler:
 
     def __post_init__(self) -> None:
         check_number("temperature (0 = greedy)", self.temperature, min=0)
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", GREEDY_BELOW if self.fn is not None else 0.0)
         if self.topk is not None:
             check_int("top_k", self.topk, min=1)
         check_number("top_p", self.topp, min=0, max=1, min_open=True)

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from engine import (
+    GREEDY_BELOW,
     ForwardRunner,
     KVPool,
     Scheduler,
@@ -390,8 +391,8 @@ class SpeechModel:
             temperature = check_number("temperature", temperature, min=0)
         if top_k is not None:
             top_k = check_int("top_k", top_k, min=1)
-        if temperature == 0:
-            return GREEDY, GREEDY
+        if temperature is not None and temperature < GREEDY_BELOW:
+            return GREEDY, GREEDY  # as the text engine does: a tinier T only overflows
         levels = []
         for cfg in (self.generation_config, self.hf.depth_decoder.generation_config):
             do_sample = True if temperature is not None else bool(cfg.do_sample)

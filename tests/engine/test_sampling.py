@@ -122,6 +122,23 @@ def test_greedy_is_argmax() -> None:
     assert torch.equal(probs(tie, Sampler.greedy()), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
 
 
+def test_a_vanishing_temperature_is_greedy_not_nan() -> None:
+    """Below ``GREEDY_BELOW`` (vLLM's 1e-5) a temperature samples as greedy: a float32
+    ``1e-40`` is 0, and the division made a row of NaNs (a sampling error, an HTTP 500)."""
+    from engine.sampling import GREEDY_BELOW
+
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(2))
+    for t in (5e-324, 1e-40, 1e-30, GREEDY_BELOW / 2):
+        s = Sampler.top_p(t, 0.9)
+        assert s.is_greedy and s.temperature == 0
+        assert torch.equal(sample(logits, s, generator(0)), logits.argmax(dim=-1))
+    assert not Sampler.multinomial(GREEDY_BELOW).is_greedy
+    custom = Sampler.custom(lambda ids, ps: ids[0], temperature=1e-300)  # keeps the floor
+    assert custom.temperature == GREEDY_BELOW
+    ids, ps = candidates(logits[0], custom)
+    assert ids[0] == int(logits[0].argmax()) and all(math.isfinite(p) for p in ps)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_argmax_follows_torch_rules(dtype) -> None:
     """The CPU fast path (numpy) gives torch.argmax's answer: ties, infinities, NaN (the

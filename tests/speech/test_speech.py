@@ -195,6 +195,13 @@ def test_sampling_is_seeded_and_stays_in_codebook(csm, greedy):
     assert a.codes.max() < csm.codebook_size
 
 
+def test_a_vanishing_temperature_speaks_greedily(csm, greedy):
+    """5e-324 made the frame head's softmax NaN (the fuzzer's HTTP 500); under the text
+    engine's ``GREEDY_BELOW`` it is greedy, as there."""
+    tiny = csm.speak("Hello there.", 1, max_duration=MAX_DURATION, temperature=5e-324, seed=1)
+    np.testing.assert_array_equal(tiny.codes, greedy.codes)
+
+
 def test_default_sampling_follows_generation_config(csm):
     backbone, depth = csm._sampling(None, None)  # the tiny checkpoint says nothing: greedy as generate
     assert not backbone.do_sample and not depth.do_sample
