@@ -24,7 +24,15 @@ from engine.checkpoint import (
     read_config,
     resolve_checkpoint,
 )
-from engine.completion import ChoiceEvent, ChoiceResult, Completion, CompletionParams, Turn, complete
+from engine.completion import (
+    ChoiceEvent,
+    ChoiceResult,
+    Completion,
+    CompletionParams,
+    PromptLogprob,
+    Turn,
+    complete,
+)
 from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.drafting import Drafter, DraftSpec, PromptLookupDrafter
 from engine.embeddings import POOLINGS, embed_async, embed_counted_async, embed_many_async
@@ -129,6 +137,7 @@ __all__ = [
     "OutOfPagesError",
     "PoolStats",
     "GREEDY_BELOW",
+    "PromptLogprob",
     "Sampler",
     "SavedContextExistsError",
     "SavedContextNotFoundError",

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from engine import stopping
 from engine.chat import ROLES
@@ -59,6 +62,10 @@ class CompletionParams:
     """LoRA adapters (with scales) every choice runs under, bottom of the stack first."""
     speculative: DraftSpec | None = None
     """Speculative decoding: each choice drafts with its own ``speculative.make()``."""
+    prompt_logprobs: int | None = None
+    """A raw prompt's own tokens' log-probabilities (``Completion.from_prompt``): None:
+    none; k >= 0: each token's under the model given the ones before it (raw log-softmax,
+    as vLLM reports prompt logprobs) and the top ``k`` alternatives."""
     max_tokens_is_default: bool = False
     """``max_tokens`` is a default the caller did not choose: where the prompt leaves less
     room in ``Model.max_model_len``, generate up to that room instead of refusing (OpenAI's
@@ -88,15 +95,40 @@ class Completion:
     Closing it (or leaving ``async with``) cancels unfinished choices and frees their pages."""
 
     def __init__(self, model: Model, turns: Sequence[Turn], params: CompletionParams):
-        if params.n < 1:
-            raise InvalidRequestError(f"n must be >= 1, got {params.n}")
         for t in turns:
             if t.role not in ROLES:
                 raise InvalidRequestError(f"unknown role {t.role!r}; expected one of {', '.join(ROLES)}")
         if not turns:
             raise InvalidRequestError("a completion needs at least one message")
+        self._init(model, tuple(turns), None, params)
+
+    @classmethod
+    def from_prompt(cls, model: Model, prompt: str | Sequence[int], params: CompletionParams) -> Completion:
+        """A completion of a raw prompt (OpenAI's legacy ``/v1/completions``): no chat
+        template. Text is tokenized as the model's tokenizer does by default, with its BOS
+        where it has one (Gemma's), as ``tokenizer(prompt)`` gives the reference; token ids
+        are taken as they are."""
+        if not isinstance(prompt, str):
+            prompt = [int(i) for i in prompt]
+        self = cls.__new__(cls)
+        self._init(model, (), prompt, params)
+        return self
+
+    def _init(
+        self, model: Model, turns: tuple[Turn, ...], prompt: str | list[int] | None, params: CompletionParams
+    ) -> None:
+        if params.n < 1:
+            raise InvalidRequestError(f"n must be >= 1, got {params.n}")
+        if params.prompt_logprobs is not None and prompt is None:
+            raise InvalidRequestError("prompt_logprobs needs a raw prompt (Completion.from_prompt)")
         self.model = model
-        self.turns = tuple(turns)
+        self.turns = turns
+        self.prompt = prompt
+        """The raw prompt of ``from_prompt`` (text or ids); None for a chat."""
+        self.prompt_ids: list[int] = []
+        """The prompt's tokens (known once ``start`` returned)."""
+        self.prompt_logprobs: list[PromptLogprob] = []
+        """With ``params.prompt_logprobs``: one per prompt token (known once ``start`` returned)."""
         self.params = params
         self.prompt_tokens = 0
         self.max_tokens = params.max_tokens
@@ -110,8 +142,9 @@ class Completion:
         self._remaining = 0
 
     def __repr__(self) -> str:
+        what = f"turns={len(self.turns)}" if self.prompt is None else f"prompt={_short(self.prompt)}"
         return (
-            f"Completion(model={self.model.name!r}, turns={len(self.turns)}, n={self.params.n}, "
+            f"Completion(model={self.model.name!r}, {what}, n={self.params.n}, "
             f"prompt_tokens={self.prompt_tokens}, completion_tokens={sum(self.completion_tokens)})"
         )
 
@@ -125,16 +158,25 @@ class Completion:
         self._contexts.append(root)
         for adapter, scale in self.params.adapters:
             root.adapters.push(adapter, scale)
-        pairs = [(turn.role, parts) for turn, parts in zip(self.turns, prepared, strict=True)]
-        if sum(len(p) for _, parts in pairs for p in parts if isinstance(p, str)) > LONG_TEXT_CHARS:
-            # tokenizing ~1 MB of text takes ~0.4 s: off the event loop, which the tokenizer
-            # lets run meanwhile (the context is this completion's own until it is flushed)
-            await asyncio.to_thread(root.turns, pairs)
+        if self.prompt is not None:
+            await self._fill_prompt(root)
         else:
-            root.turns(pairs)
-        root.cue()
+            pairs = [(turn.role, parts) for turn, parts in zip(self.turns, prepared, strict=True)]
+            if sum(len(p) for _, parts in pairs for p in parts if isinstance(p, str)) > LONG_TEXT_CHARS:
+                # tokenizing ~1 MB of text takes ~0.4 s: off the event loop, which the tokenizer
+                # lets run meanwhile (the context is this completion's own until it is flushed)
+                await asyncio.to_thread(root.turns, pairs)
+            else:
+                root.turns(pairs)
+            root.cue()
+        self.prompt_ids = root.token_ids
         self._fit(len(root))  # before any row is computed
-        await root.flush()
+        if self.params.prompt_logprobs is not None:
+            logits = await root.flush(return_logits=True)
+            assert logits is not None
+            self.prompt_logprobs = prompt_logprobs(self.prompt_ids, logits, self.params.prompt_logprobs)
+        else:
+            await root.flush()
         if self.params.n > 1:
             # The head runs on the prompt's last row once, before forking: each fork would
             # otherwise run it again on the shared hidden state, and the choices would start
@@ -146,9 +188,22 @@ class Completion:
         if self.params.seed is not None:
             for i, ctx in enumerate(choices):
                 ctx.reseed(self.params.seed + i)
+        if self.max_tokens == 0:  # the prompt alone (scored with prompt_logprobs): nothing to run
+            return self
         self._remaining = len(choices)
         self._tasks = [asyncio.create_task(self._run(i, ctx)) for i, ctx in enumerate(choices)]
         return self
+
+    async def _fill_prompt(self, root: Context) -> None:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            encode = functools.partial(self.model.tokenizer.encode, prompt, add_special_tokens=True)
+            ids = await asyncio.to_thread(encode) if len(prompt) > LONG_TEXT_CHARS else encode()
+        else:
+            ids = prompt or []
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give some text or token ids", param="prompt")
+        root.fill_tokens(ids)
 
     async def _prepare_turns(self) -> list[list[Any]]:
         """Every media part of every turn prepared at once, each on a worker thread: Pillow
@@ -287,6 +342,40 @@ class Completion:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it (None for the first,
+    which has no context) and the ``k`` most probable tokens there, most probable first."""
+
+    token: int
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+def prompt_logprobs(ids: Sequence[int], logits: torch.Tensor, k: int) -> list[PromptLogprob]:
+    """Each of ``ids``' log-probabilities under the logits of the row before it (raw
+    log-softmax), with the top ``k`` there; ``logits``: (len(ids), vocab)."""
+    if not ids:
+        return []
+    lsm = torch.log_softmax(logits[:-1].float(), dim=-1)
+    nxt = torch.tensor(list(ids[1:]), dtype=torch.long)
+    chosen = lsm.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist() if len(nxt) else []
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
+    if k > 0 and len(nxt):
+        vals, idx = lsm.topk(min(k, lsm.shape[1]), dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+    first = PromptLogprob(int(ids[0]), None)
+    return [first] + [
+        PromptLogprob(int(t), lp, top) for t, lp, top in zip(ids[1:], chosen, tops, strict=True)
+    ]
+
+
+def _short(prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return repr(prompt if len(prompt) <= 40 else prompt[:37] + "...")
+    return f"<{len(prompt)} token ids>"
 
 
 @dataclass

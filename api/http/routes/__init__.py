@@ -5,6 +5,7 @@ from api.http.routes import (
     batches,
     captions,
     chat,
+    completions,
     embeddings,
     files,
     inferlets,
@@ -17,6 +18,7 @@ from api.http.routes import (
 ROUTERS = [
     models.router,
     chat.router,
+    completions.router,
     media.router,
     captions.router,
     speech.router,

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
 from api.http.errors import ServiceError
+from api.http.generation import TokenTiming, completion_params, usage_of
 from api.http.registry import ServedModel
 from api.http.schemas import (
     AssistantMessage,
@@ -31,7 +32,6 @@ from api.http.schemas import (
     ChoiceLogprobs,
     ChunkChoice,
     Delta,
-    ResponseFormat,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -41,13 +41,9 @@ from engine import (
     ChoiceEvent,
     Completion,
     CompletionParams,
-    DraftSpec,
-    Grammar,
     InvalidRequestError,
-    Sampler,
     Turn,
 )
-from media.errors import PieMediaError
 
 router = APIRouter(tags=["chat"])
 
@@ -110,88 +106,17 @@ async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCo
 
 
 def _params(body: ChatCompletionRequest, service: Service, served: ServedModel) -> CompletionParams:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise InvalidRequestError(f"{name} is not supported by this server; leave it at 0", param=name)
-    if body.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported by this server", param="logit_bias")
     if body.tools:
         raise InvalidRequestError("tools are not supported by this server", param="tools")
-    grammar = _grammar(body.response_format)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-    limit = service.settings.max_tokens_limit
-    max_tokens = body.max_completion_tokens or body.max_tokens or service.settings.default_max_tokens
-    if max_tokens > limit:
-        raise InvalidRequestError(
-            f"max_tokens is {max_tokens}, over this server's limit of {limit}",
-            param="max_tokens",
-            limit=limit,
-            actual=max_tokens,
-        )
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > 4 or any(not s for s in stop):
-        raise InvalidRequestError("stop takes up to 4 non-empty strings", param="stop")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if temperature == 0:
-        sampler = Sampler.greedy()
-    else:
-        top_k = body.top_k if body.top_k not in (None, 0, -1) else None
-        if top_k is not None and top_k < 1:
-            raise InvalidRequestError("top_k must be >= 1, or 0 / -1 to disable it", param="top_k")
-        sampler = Sampler(
-            temperature=temperature,
-            topk=top_k,
-            topp=1.0 if body.top_p is None else body.top_p,
-            minp=0.0 if body.min_p is None else body.min_p,
-        )
-    return CompletionParams(
-        sampler=sampler,
-        max_tokens=max_tokens,
-        stop=stop,
-        n=body.n,
-        seed=body.seed,
+    return completion_params(
+        body,
+        service,
+        served,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        ignore_eos=body.ignore_eos,
-        grammar=grammar,
-        adapters=((served.adapter, 1.0),) if served.adapter is not None else (),
-        speculative=_speculative(body, service.settings.speculative_config),
-        max_tokens_is_default=body.max_completion_tokens is None and body.max_tokens is None,
     )
-
-
-def _speculative(body: ChatCompletionRequest, default: dict[str, Any] | None) -> DraftSpec | None:
-    """The request's own ``speculative`` (``null``: none), else the server's
-    ``--speculative-config``."""
-    spec = body.speculative
-    if spec is None:
-        if default is None or "speculative" in body.model_fields_set:
-            return None
-        return DraftSpec(**default)
-    if spec.min_ngram > spec.max_ngram:
-        raise InvalidRequestError("speculative.min_ngram must be <= max_ngram", param="speculative")
-    return DraftSpec(spec.method, spec.num_draft, spec.max_ngram, spec.min_ngram)
-
-
-def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
-    """The token mask a ``response_format`` asks for, compiled now so that a bad schema is
-    a 400 before anything runs (compiled grammars are cached)."""
-    if fmt is None or fmt.type == "text":
-        return None
-    try:
-        if fmt.type == "json_object":
-            grammar = Grammar.json()
-        elif fmt.type == "json_schema":
-            grammar = Grammar.json_schema(fmt.json_schema.schema_)
-        elif fmt.type == "regex":
-            grammar = Grammar.regex(fmt.regex)
-        else:
-            grammar = Grammar.lark(fmt.grammar)
-        grammar.compiled()
-    except PieMediaError as e:
-        e.details.setdefault("param", "response_format")
-        raise
-    return grammar
 
 
 async def _turns(messages: list[ChatMessage], service: Service, accepts: set[str]) -> list[Turn]:
@@ -269,35 +194,6 @@ def _logprobs(service: Service, model: Any, ev: ChoiceEvent) -> TokenLogprob:
     return TokenLogprob(**entry(ev.token, ev.logprob if ev.logprob is not None else 0.0), top_logprobs=top)
 
 
-def _usage(completion: Completion) -> Usage:
-    done = sum(completion.completion_tokens)
-    return Usage(
-        prompt_tokens=completion.prompt_tokens,
-        completion_tokens=done,
-        total_tokens=completion.prompt_tokens + done,
-    )
-
-
-class _Timing:
-    def __init__(self, service: Service, name: str, started: float):
-        self.service, self.name, self.started = service, name, started
-        self.last: dict[int, float] = {}
-        self.itl = service.metrics.itl.labels(name)  # looked up once, observed every token
-
-    def token(self, index: int) -> None:
-        now = time.perf_counter()
-        if not self.last:
-            self.service.metrics.ttft.labels(self.name).observe(now - self.started)
-        elif index in self.last:
-            self.itl.observe(now - self.last[index])
-        self.last[index] = now
-
-    def done(self, completion: Completion) -> None:
-        m = self.service.metrics
-        m.prompt_tokens.labels(self.name).inc(completion.prompt_tokens)
-        m.generated_tokens.labels(self.name).inc(sum(completion.completion_tokens))
-
-
 async def _whole(
     completion: Completion, body: ChatCompletionRequest, name: str, service: Service, started: float
 ) -> ChatCompletion:
@@ -305,7 +201,7 @@ async def _whole(
     texts = [""] * n
     reasons: list[Any] = [None] * n
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    timing = _Timing(service, name, started)
+    timing = TokenTiming(service, name, started)
     async for ev in completion:
         timing.token(ev.index)
         texts[ev.index] += ev.text
@@ -327,7 +223,7 @@ async def _whole(
         created=int(time.time()),
         model=name,
         choices=choices,
-        usage=_usage(completion),
+        usage=usage_of(completion),
     )
 
 
@@ -374,7 +270,7 @@ async def _sse(
         return chunk([ChunkChoice(index=ev.index, delta=delta, finish_reason=ev.finish_reason, logprobs=lp)])
 
     head = chunk_head(cid, created, name)
-    timing = _Timing(service, name, started)
+    timing = TokenTiming(service, name, started)
     pending = "".join(
         chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
         for i in range(completion.params.n)
@@ -391,7 +287,7 @@ async def _sse(
                 pending = ""
         timing.done(completion)
         if include_usage:
-            pending += chunk([], _usage(completion))
+            pending += chunk([], usage_of(completion))
         yield Last(pending + "data: [DONE]\n\n")
     except asyncio.CancelledError:
         raise

@@ -1,0 +1,85 @@
+"""Bodies of ``POST /v1/completions``: OpenAI's legacy text completion (a raw prompt, no
+chat template), with vLLM's extensions as on chat completions."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from api.http.schemas import ResponseFormat, SpeculativeOptions, StreamOptions, Usage, _Lenient
+
+MAX_PROMPTS = 64
+"""Prompts one request may carry (each its own context; choice ``i`` of prompt ``p`` is
+index ``p * n + i``, as OpenAI numbers them)."""
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for this endpoint (vLLM's too)."""
+MAX_LOGPROBS = 20
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(_Lenient):
+    model: str
+    prompt: Prompt = Field(description="text, token ids, or a list of either (up to 64 prompts)")
+    max_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description=f"default {DEFAULT_MAX_TOKENS}; 0 (with echo) scores the prompt alone",
+    )
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, description="extension (vLLM): -1 or 0 disables")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="extension (vLLM)")
+    ignore_eos: bool = Field(default=False, description="extension (vLLM): generate through EOS")
+    n: int = Field(default=1, ge=1, le=16)
+    best_of: int | None = Field(default=None, ge=1, le=16, description="only n (or none) is served")
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="the chosen token's and this many alternatives'"
+    )
+    echo: bool = Field(
+        default=False, description="the prompt, then the completion (with logprobs: the prompt's too)"
+    )
+    suffix: str | None = Field(default=None, description="not supported (400)")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = Field(default=None, description="extension (vLLM)")
+    speculative: SpeculativeOptions | None = Field(
+        default=None,
+        description="extension: drafts checked per pass (default: the server's "
+        "--speculative-config; null: none for this request)",
+    )
+    user: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: per token its text, log-probability (None for a prompt's
+    first token), the top alternatives by text, and where its text starts in the choice's."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class TextCompletion(BaseModel):
+    """A whole completion, and each chunk of a streamed one (OpenAI uses one shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
