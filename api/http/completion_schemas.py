@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from api.http.schemas import ResponseFormat, SpeculativeOptions, StreamOptions, Usage, _Lenient
+from api.http.schemas import GenerationRequest, Usage
 
 MAX_PROMPTS = 64
 """Prompts one request may carry (each its own context; choice ``i`` of prompt ``p`` is
@@ -19,25 +19,14 @@ MAX_LOGPROBS = 20
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
-class CompletionRequest(_Lenient):
-    model: str
+class CompletionRequest(GenerationRequest):
     prompt: Prompt = Field(description="text, token ids, or a list of either (up to 64 prompts)")
     max_tokens: int | None = Field(
         default=None,
         ge=0,
         description=f"default {DEFAULT_MAX_TOKENS}; 0 (with echo) scores the prompt alone",
     )
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, description="extension (vLLM): -1 or 0 disables")
-    min_p: float | None = Field(default=None, ge=0, le=1, description="extension (vLLM)")
-    ignore_eos: bool = Field(default=False, description="extension (vLLM): generate through EOS")
-    n: int = Field(default=1, ge=1, le=16)
     best_of: int | None = Field(default=None, ge=1, le=16, description="only n (or none) is served")
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description="the chosen token's and this many alternatives'"
     )
@@ -45,16 +34,6 @@ class CompletionRequest(_Lenient):
         default=False, description="the prompt, then the completion (with logprobs: the prompt's too)"
     )
     suffix: str | None = Field(default=None, description="not supported (400)")
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = Field(default=None, description="extension (vLLM)")
-    speculative: SpeculativeOptions | None = Field(
-        default=None,
-        description="extension: drafts checked per pass (default: the server's "
-        "--speculative-config; null: none for this request)",
-    )
-    user: str | None = None
 
 
 class CompletionLogprobs(BaseModel):

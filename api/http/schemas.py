@@ -121,12 +121,11 @@ class SpeculativeOptions(BaseModel):
     min_ngram: int = Field(default=1, ge=1, le=16)
 
 
-class ChatCompletionRequest(_Lenient):
+class GenerationRequest(_Lenient):
+    """The sampling and streaming fields chat and legacy completions share (OpenAI's, and
+    vLLM's extensions); ``api.http.generation.completion_params`` reads them."""
+
     model: str
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    """At most ``MAX_MESSAGES``, OpenAI's own limit."""
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, description="extension (vLLM): -1 or 0 disables")
@@ -138,12 +137,9 @@ class ChatCompletionRequest(_Lenient):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
     response_format: ResponseFormat | None = None
     speculative: SpeculativeOptions | None = Field(
         default=None,
@@ -151,6 +147,16 @@ class ChatCompletionRequest(_Lenient):
         "--speculative-config; null: none for this request)",
     )
     user: str | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    """At most ``MAX_MESSAGES``, OpenAI's own limit."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
 
 
 # ------------------------------------------------------------------ chat completions: response

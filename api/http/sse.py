@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+
+def error_event(error: BaseException) -> str:
+    """The SSE event that tells a client a stream failed after its status line went out
+    (OpenAI's error shape, as vLLM sends it)."""
+    code = getattr(error, "code", "server_error")
+    message = getattr(error, "message", "internal server error")
+    return (
+        "data: " + json.dumps({"error": {"message": message, "type": "server_error", "code": code}}) + "\n\n"
+    )
 
 
 class Last(str):

@@ -36,7 +36,7 @@ from api.http.schemas import (
     TopLogprob,
     Usage,
 )
-from api.http.sse import EventStream, Last
+from api.http.sse import EventStream, Last, error_event
 from engine import (
     ChoiceEvent,
     Completion,
@@ -292,10 +292,7 @@ async def _sse(
     except asyncio.CancelledError:
         raise
     except Exception as e:  # the status line is gone; tell the client in the stream
-        code = getattr(e, "code", "server_error")
-        message = getattr(e, "message", "internal server error")
-        error = json.dumps({"error": {"message": message, "type": "server_error", "code": code}})
-        yield Last(f"{pending}data: {error}\n\n")
+        yield Last(pending + error_event(e))
     finally:
         await completion.aclose()
         admission.release()

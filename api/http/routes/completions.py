@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,7 +33,7 @@ from api.http.disconnect import cancel_on_disconnect
 from api.http.generation import TokenTiming, completion_params
 from api.http.registry import ServedModel
 from api.http.schemas import Usage
-from api.http.sse import EventStream, Last
+from api.http.sse import EventStream, Last, error_event
 from engine import ChoiceEvent, Completion, CompletionParams, InvalidRequestError
 
 router = APIRouter(tags=["completions"])
@@ -344,10 +343,7 @@ async def _sse(
     except asyncio.CancelledError:
         raise
     except Exception as e:  # the status line is gone; tell the client in the stream
-        code = getattr(e, "code", "server_error")
-        message = getattr(e, "message", "internal server error")
-        error = json.dumps({"error": {"message": message, "type": "server_error", "code": code}})
-        yield Last(f"{pending}data: {error}\n\n")
+        yield Last(pending + error_event(e))
     finally:
         await _close_all(runs)
         admission.release()
