@@ -173,9 +173,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from api.malloc_arenas import limit_malloc_arenas
-
-    limit_malloc_arenas()  # before the threads that would each take an arena start
     import uvicorn
 
     from api.http.app import create_app
@@ -227,8 +224,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         run(settings, address=args.ray or None, replicas=replicas, log_level=args.log_level)
         return 0
+    from api.malloc_arenas import limit_malloc_arenas
     from media.errors import PieMediaError
 
+    limit_malloc_arenas()  # a process that will serve: before its threads start (they take arenas)
     try:
         app = create_app(settings)
     except PieMediaError as e:  # e.g. the state database cannot be reached

@@ -126,7 +126,7 @@ class Completion:
         self.prompt = prompt
         """The raw prompt of ``from_prompt`` (text or ids); None for a chat."""
         self.prompt_ids: list[int] = []
-        """The prompt's tokens (known once ``start`` returned)."""
+        """A raw prompt's tokens, known once ``start`` returned (a chat's are the context's)."""
         self.prompt_logprobs: list[PromptLogprob] = []
         """With ``params.prompt_logprobs``: one per prompt token (known once ``start`` returned)."""
         self.params = params
@@ -169,7 +169,6 @@ class Completion:
             else:
                 root.turns(pairs)
             root.cue()
-        self.prompt_ids = root.token_ids
         self._fit(len(root))  # before any row is computed
         if self.params.prompt_logprobs is not None:
             logits = await root.flush(return_logits=True)
@@ -204,6 +203,7 @@ class Completion:
         if not ids:
             raise InvalidRequestError("the prompt is empty: give some text or token ids", param="prompt")
         root.fill_tokens(ids)
+        self.prompt_ids = list(ids)
 
     async def _prepare_turns(self) -> list[list[Any]]:
         """Every media part of every turn prepared at once, each on a worker thread: Pillow
