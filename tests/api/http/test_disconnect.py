@@ -65,12 +65,19 @@ def test_an_unread_body_is_left_to_the_route():
         client = Client([b"abc", b"def", b"ghi"])
         request = Request(SCOPE, client.receive)
 
+        calls_seen = []
+
         async def route_reads_its_body():
             await asyncio.sleep(0.2)  # the watcher runs first and must not take a chunk
-            return await request.body()
+            calls_seen.append(client.calls)
+            body = await request.body()  # three receives that never suspend
+            calls_seen.append(client.calls)
+            return body
 
         got = await asyncio.wait_for(cancel_on_disconnect(request, route_reads_its_body()), 5)
-        assert got == b"abcdefghi" and client.calls == 3  # only the route's own three
+        # Counted inside the route: once the body is read the watcher may make its one
+        # waiting receive before the route's result is collected, which is allowed.
+        assert got == b"abcdefghi" and calls_seen == [0, 3]
 
     asyncio.run(main())
 
