@@ -62,7 +62,10 @@ class JobRunner:
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancelled: set[str] = set()
         # Set by the Batch API: run one batch line; write the output files at the end.
-        self.batch_line: Callable[[str, str | None], Awaitable[tuple[dict[str, Any], bool]]] | None = None
+        # (endpoint, custom_id, request body JSON) -> (output record, failed)
+        self.batch_line: Callable[[str, str, str | None], Awaitable[tuple[dict[str, Any], bool]]] | None = (
+            None
+        )
         self.on_batch_done: Callable[[str], Awaitable[None]] | None = None
 
     def __repr__(self) -> str:
@@ -164,7 +167,7 @@ class JobRunner:
                 idx, name, media_id, payload = got[0]
                 if job.kind == "batch":
                     assert self.batch_line is not None
-                    record, failed = await self.batch_line(name, payload)
+                    record, failed = await self.batch_line(job.meta["endpoint"], name, payload)
                 else:
                     record = {"index": idx, **await self._caption(model, job, name, media_id, settings)}
                     failed = "error" in record

@@ -1,10 +1,11 @@
-"""OpenAI's Batch API over the chat endpoint: ``POST /v1/batches`` (an uploaded JSONL of
-``/v1/chat/completions`` requests), ``GET /v1/batches[/{id}]``, ``POST /v1/batches/{id}/cancel``.
+"""OpenAI's Batch API: ``POST /v1/batches`` (an uploaded JSONL of requests to one endpoint:
+``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings``), ``GET /v1/batches[/{id}]``,
+``POST /v1/batches/{id}/cancel``.
 
 A batch is a job of the job store (kind "batch"): each line an item, run through the
-same code path as ``POST /v1/chat/completions`` (``complete_chat``), its result committed
-as it finishes, resumed after a restart. When every line is done the output file
-(successes) and the error file (failures) are written in OpenAI's batch output format.
+same code path as a request to its endpoint (``ENDPOINTS``), its result committed as it
+finishes, resumed after a restart. When every line is done the output file (successes)
+and the error file (failures) are written in OpenAI's batch output format.
 """
 
 from __future__ import annotations
@@ -12,22 +13,47 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from api.http.completion_schemas import CompletionRequest
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError, error_body, status_for
 from api.http.jobs_store import JobRecord
 from api.http.routes.chat import complete_chat
+from api.http.routes.completions import complete_text
+from api.http.routes.embeddings import EmbeddingRequest, embed_request
 from api.http.routes.files import get_file
 from api.http.schemas import ChatCompletionRequest
 from media import InvalidRequestError, PieMediaError
 
 router = APIRouter(tags=["batches"])
 
-ENDPOINT = "/v1/chat/completions"
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What a batch line to one endpoint is checked against, and the code that answers it
+    (the route's own path, without an HTTP request or an admission slot)."""
+
+    schema: type[BaseModel]
+    answer: Callable[[Any, Service], Awaitable[BaseModel]]
+
+
+async def _embed(body: EmbeddingRequest, service: Service) -> BaseModel:
+    return await embed_request(body, service, admit=False)
+
+
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": Endpoint(ChatCompletionRequest, complete_chat),
+    "/v1/completions": Endpoint(CompletionRequest, complete_text),
+    "/v1/embeddings": Endpoint(EmbeddingRequest, _embed),
+}
+EndpointPath = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+assert set(get_args(EndpointPath)) == set(ENDPOINTS)  # the schema's enum names every endpoint
 MAX_LINES = 50_000
 BATCH_CONCURRENCY = 8
 _STATUS = {
@@ -42,7 +68,7 @@ _STATUS = {
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore")
     input_file_id: str
-    endpoint: Literal["/v1/chat/completions"]
+    endpoint: EndpointPath
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = None
 
@@ -117,8 +143,10 @@ def _line_error(custom_id: str, status: int, code: str, message: str) -> dict[st
     }
 
 
-def _parse(data: bytes) -> list[tuple[str, str | None, dict[str, Any] | None, str | None]]:
-    """Items (custom_id, None, error record, request body JSON) of a batch input file."""
+def _parse(data: bytes, endpoint: str) -> list[tuple[str, str | None, dict[str, Any] | None, str | None]]:
+    """Items (custom_id, None, error record, request body JSON) of a batch input file whose
+    lines must all go to ``endpoint`` (as OpenAI requires)."""
+    schema = ENDPOINTS[endpoint].schema
     lines = [ln for ln in data.decode("utf-8", errors="replace").splitlines() if ln.strip()]
     if not lines:
         raise InvalidRequestError("the input file has no requests", param="input_file_id")
@@ -133,9 +161,9 @@ def _parse(data: bytes) -> list[tuple[str, str | None, dict[str, Any] | None, st
             if custom_id in seen:
                 raise ValueError(f"duplicate custom_id {custom_id!r}")
             seen.add(custom_id)
-            if req.get("url") != ENDPOINT or req.get("method", "POST") != "POST":
-                raise ValueError(f"line {n + 1}: url must be {ENDPOINT} with method POST")
-            ChatCompletionRequest(**req["body"])
+            if req.get("url") != endpoint or req.get("method", "POST") != "POST":
+                raise ValueError(f"url must be the batch's endpoint {endpoint} with method POST")
+            schema(**req["body"])
         except (ValueError, KeyError, TypeError, ValidationError) as e:
             custom_id = (
                 str(req.get("custom_id", f"line-{n + 1}")) if isinstance(req, dict) else f"line-{n + 1}"
@@ -148,13 +176,16 @@ def _parse(data: bytes) -> list[tuple[str, str | None, dict[str, Any] | None, st
     return items
 
 
-async def run_line(service: Service, custom_id: str, payload: str | None) -> tuple[dict[str, Any], bool]:
-    """One batch line through the chat endpoint's code path: (output record, failed)."""
+async def run_line(
+    service: Service, endpoint: str, custom_id: str, payload: str | None
+) -> tuple[dict[str, Any], bool]:
+    """One batch line through its endpoint's code path: (output record, failed)."""
+    route = ENDPOINTS[endpoint]
     try:
-        body = ChatCompletionRequest(**json.loads(payload or "{}"))
-        if body.stream:
+        body = route.schema(**json.loads(payload or "{}"))
+        if getattr(body, "stream", False):
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
-        completion = await complete_chat(body, service)
+        answer = await route.answer(body, service)
     except PieMediaError as e:
         return _line_error(custom_id, status_for(e), e.code, e.message), True
     except ValidationError as e:
@@ -165,7 +196,7 @@ async def run_line(service: Service, custom_id: str, payload: str | None) -> tup
         "response": {
             "status_code": 200,
             "request_id": f"req_{uuid.uuid4().hex}",
-            "body": completion.model_dump(),
+            "body": answer.model_dump(),
         },
         "error": None,
     }, False
@@ -203,7 +234,7 @@ async def create_batch(body: BatchCreate, service: Service = Depends(get_service
         )
     path = service.files.path(record.id)
     assert path is not None
-    items = _parse(await asyncio.to_thread(path.read_bytes))
+    items = _parse(await asyncio.to_thread(path.read_bytes), body.endpoint)
     models = {json.loads(p)["model"] for _, _, e, p in items if p}
     for name in models:
         service.models.get(name, kind="chat")  # an unknown model fails the batch at creation

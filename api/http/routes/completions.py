@@ -75,6 +75,20 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
         raise
 
 
+async def complete_text(body: CompletionRequest, service: Service) -> TextCompletion:
+    """A whole (non-streamed) legacy completion without an HTTP request around it: the
+    Batch API runs its ``/v1/completions`` lines through this, the same path as the route.
+    No admission slot is taken: a batch bounds its own concurrency."""
+    served = service.models.get(body.model, kind="chat")
+    prompts = _prompts(body.prompt)
+    params = _params(body, service, served)
+    runs = [Completion.from_prompt(served.model, p, params) for p in prompts]
+    try:
+        return await _whole(runs, prompts, body, served.name, service, time.perf_counter())
+    finally:
+        await _close_all(runs)
+
+
 def _prompts(prompt: Any) -> list[str | list[int]]:
     """The request's prompts, each text or token ids."""
     if isinstance(prompt, str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 from typing import Literal
 
 import numpy as np
@@ -67,6 +68,13 @@ def _items(value: object) -> list[object]:
     responses=Service.error_responses(400, 401, 404, 413, 415),
 )
 async def embeddings(body: EmbeddingRequest, service: Service = Depends(get_service)) -> EmbeddingResponse:
+    return await embed_request(body, service)
+
+
+async def embed_request(body: EmbeddingRequest, service: Service, *, admit: bool = True) -> EmbeddingResponse:
+    """The embeddings of one request. The route takes an admission slot for the work; the
+    Batch API's ``/v1/embeddings`` lines pass ``admit=False`` (a batch bounds its own
+    concurrency)."""
     served = service.models.get(body.model, kind="chat")
     model = served.model
     if served.adapter is not None:
@@ -91,7 +99,7 @@ async def embeddings(body: EmbeddingRequest, service: Service = Depends(get_serv
             contents.append(list(turns[0].parts))
         else:
             contents.append(item)
-    with served.admit():
+    with served.admit() if admit else contextlib.nullcontext():
         results = await asyncio.gather(
             *(embed_counted_async(model, c, pooling=body.pooling, normalize=body.normalize) for c in contents)
         )

@@ -134,3 +134,106 @@ def test_batch_errors(server: Server, client: openai.OpenAI) -> None:
     assert r.status_code == 400
     assert httpx.get(f"{server.v1}/batches/batch_nope").status_code == 404
     assert httpx.get(f"{server.v1}/files/../../etc/passwd/content").status_code == 404
+
+
+def _run_batch(client: openai.OpenAI, endpoint: str, lines: list[str]):
+    data = ("\n".join(lines) + "\n").encode()
+    f = client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+    assert batch.endpoint == endpoint
+    done = _wait(client, batch.id)
+    assert done.status == "completed"
+    out = {
+        o["custom_id"]: o
+        for o in map(json.loads, client.files.content(done.output_file_id).text.splitlines())
+    }
+    errs = {}
+    if done.error_file_id:
+        errs = {
+            e["custom_id"]: e
+            for e in map(json.loads, client.files.content(done.error_file_id).text.splitlines())
+        }
+    return done, out, errs
+
+
+def test_a_completions_batch_equals_the_completions_endpoint(client: openai.OpenAI) -> None:
+    bodies = {
+        "text": {"model": QWEN, "prompt": "Once upon", "max_tokens": 5, "temperature": 0},
+        "ids": {"model": QWEN, "prompt": [5, 17, 99, 3], "max_tokens": 4, "temperature": 0},
+        "two-seeded": {"model": QWEN, "prompt": ["a", "b c"], "max_tokens": 3, "n": 2, "seed": 7},
+        "scored": {"model": QWEN, "prompt": "score this text", "max_tokens": 0, "echo": True, "logprobs": 2},
+    }
+    lines = [
+        json.dumps({"custom_id": k, "method": "POST", "url": "/v1/completions", "body": b})
+        for k, b in bodies.items()
+    ]
+    bad = {
+        "chat-url": {"url": "/v1/chat/completions", "body": {"model": QWEN, "messages": []}},
+        "suffix": {"url": "/v1/completions", "body": {"model": QWEN, "prompt": "x", "suffix": "y"}},
+        "stream": {"url": "/v1/completions", "body": {"model": QWEN, "prompt": "x", "stream": True}},
+        "no-prompt": {"url": "/v1/completions", "body": {"model": QWEN}},
+    }
+    lines += [json.dumps({"custom_id": k, "method": "POST", **v}) for k, v in bad.items()]
+    done, out, errs = _run_batch(client, "/v1/completions", lines)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 4, 4)
+    assert set(out) == set(bodies) and set(errs) == set(bad)
+    assert {k: e["response"]["status_code"] for k, e in errs.items()} == dict.fromkeys(bad, 400)
+    assert "/v1/completions" in errs["chat-url"]["response"]["body"]["error"]["message"]
+    assert "suffix" in errs["suffix"]["response"]["body"]["error"]["message"]
+    for key, body in bodies.items():
+        got = out[key]["response"]["body"]
+        direct = client.completions.create(**body)
+        assert got["object"] == "text_completion"
+        assert [(c["index"], c["text"], c["finish_reason"]) for c in got["choices"]] == [
+            (c.index, c.text, c.finish_reason) for c in direct.choices
+        ]
+        assert got["usage"]["prompt_tokens"] == direct.usage.prompt_tokens
+        if body.get("logprobs") is not None:
+            assert got["choices"][0]["logprobs"]["tokens"] == direct.choices[0].logprobs.tokens
+            assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+                direct.choices[0].logprobs.token_logprobs, abs=1e-6
+            )
+
+
+def test_an_embeddings_batch_equals_the_embeddings_endpoint(client: openai.OpenAI) -> None:
+    bodies = {
+        "one": {"model": QWEN, "input": "a sentence to embed"},
+        "many": {"model": QWEN, "input": ["first", "second one"], "pooling": "mean"},
+    }
+    lines = [
+        json.dumps({"custom_id": k, "method": "POST", "url": "/v1/embeddings", "body": b})
+        for k, b in bodies.items()
+    ]
+    lines.append(
+        json.dumps(
+            {
+                "custom_id": "bad-dims",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": QWEN, "input": "x", "dimensions": 3},
+            }
+        )
+    )
+    done, out, errs = _run_batch(client, "/v1/embeddings", lines)
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    assert errs["bad-dims"]["response"]["status_code"] == 400
+    assert "dimensions" in errs["bad-dims"]["response"]["body"]["error"]["message"]
+    for key, body in bodies.items():
+        got = out[key]["response"]["body"]
+        plain = {k: v for k, v in body.items() if k != "pooling"}
+        direct = client.embeddings.create(**plain, extra_body={"pooling": body.get("pooling", "last")})
+        assert len(got["data"]) == len(direct.data)
+        for g, d in zip(got["data"], direct.data, strict=True):
+            assert g["index"] == d.index
+            assert g["embedding"] == pytest.approx(d.embedding, abs=1e-6)
+        assert got["usage"]["prompt_tokens"] == direct.usage.prompt_tokens
+
+
+def test_a_batch_to_an_unserved_endpoint_is_refused(server: Server, client: openai.OpenAI) -> None:
+    f = client.files.create(file=("b.jsonl", io.BytesIO(b'{"custom_id": "a"}\n')), purpose="batch")
+    r = httpx.post(
+        f"{server.v1}/batches",
+        json={"input_file_id": f.id, "endpoint": "/v1/responses", "completion_window": "24h"},
+    )
+    assert 400 <= r.status_code < 500
+    assert "/v1/embeddings" in r.text  # the answer names what is served
