@@ -74,6 +74,7 @@ from engine.startup_heap import (
 from engine.scheduler import Scheduler
 from engine.stopping import StopCondition, StopReason, eos, eos_from, max_tokens, stop_strings
 from engine.sync import SyncContext, run_sync
+from engine.tool_calls import ParsedOutput, ToolCall, ToolCallFormat, check_tools, tool_call_format
 
 __all__ = [
     "freeze_startup_heap",
@@ -119,6 +120,11 @@ __all__ = [
     "Completion",
     "CompletionParams",
     "Turn",
+    "ParsedOutput",
+    "ToolCall",
+    "ToolCallFormat",
+    "check_tools",
+    "tool_call_format",
     "complete",
     "AttentionBackendUnavailableError",
     "QuantizationUnavailableError",

@@ -24,7 +24,7 @@ media) and ``template_pieces`` (rendered text cut at the media markers).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,8 +34,10 @@ if TYPE_CHECKING:
     from encoders import Prepared
 
 Message = dict[str, Any]
-ROLES = ("system", "user", "assistant")
-"""The roles a chat turn can have (each a ``Context`` method)."""
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat turn can have (each a ``Context`` method; "tool" carries a tool's
+result back, rendered as the template renders tool messages)."""
+TOOL_PROBE = [{"type": "function", "function": {"name": "probe", "description": "", "parameters": {}}}]
 
 
 class ChatTemplate:
@@ -43,12 +45,30 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.template = template
         self.template_kwargs = template_kwargs
+        self._renders_tools: bool | None = None
 
     @property
     def available(self) -> bool:
         return bool(self.template)
 
-    def render(self, messages: list[Message], *, add_generation_prompt: bool = False) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template puts ``tools`` in the prompt (a render with a tool differs
+        from one without); a template that ignores them cannot take tool calling."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            self._renders_tools = self.available and self.render(probe, tools=TOOL_PROBE) != self.render(
+                probe
+            )
+        return self._renders_tools
+
+    def render(
+        self,
+        messages: list[Message],
+        *,
+        add_generation_prompt: bool = False,
+        tools: list[Message] | None = None,
+    ) -> str:
         if not self.template:
             raise InvalidRequestError(
                 "this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
@@ -58,6 +78,7 @@ class ChatTemplate:
             return ""
         return self.tokenizer.apply_chat_template(
             messages,
+            tools=tools or None,
             chat_template=self.template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
@@ -73,28 +94,38 @@ class ChatTemplate:
             )
         return after[len(before) :]
 
-    def turns(self, history: list[Message], messages: list[Message]) -> str:
+    def turns(
+        self, history: list[Message], messages: list[Message], tools: list[Message] | None = None
+    ) -> str:
         """Text that appending all of ``messages`` to ``history`` adds, from two renders
         whatever their number (a render per message would make a conversation sent whole
         cost the square of its length)."""
         what = f"a {messages[0]['role']} turn" if len(messages) == 1 else f"{len(messages)} turns"
-        return self._delta(self.render(history), self.render([*history, *messages]), what)
+        return self._delta(
+            self.render(history, tools=tools), self.render([*history, *messages], tools=tools), what
+        )
 
-    def cue(self, history: list[Message]) -> str:
+    def cue(self, history: list[Message], tools: list[Message] | None = None) -> str:
         """Text of the generation prompt after ``history``."""
-        return self._delta(self.render(history), self.render(history, add_generation_prompt=True), "the cue")
+        return self._delta(
+            self.render(history, tools=tools),
+            self.render(history, add_generation_prompt=True, tools=tools),
+            "the cue",
+        )
 
-    def close_turn(self, history: list[Message], content: str, raw: str) -> str:
+    def close_turn(
+        self, history: list[Message], content: str, raw: str, tools: list[Message] | None = None
+    ) -> str:
         """What still has to follow an assistant turn whose generated text is ``raw``
         (special tokens included; ``content`` = the same without them) for the context to
         read as the template renders ``history + [assistant: content]``."""
-        cued = self.render(history, add_generation_prompt=True)
-        full = self.render([*history, {"role": "assistant", "content": content}])
+        cued = self.render(history, add_generation_prompt=True, tools=tools)
+        full = self.render([*history, {"role": "assistant", "content": content}], tools=tools)
         body = self._delta(cued, full, "an assistant turn") if full.startswith(cued) else None
         if body is None:
             # Templates that drop the generation prompt from rendered history (e.g. an
             # empty thought channel): close the turn with what follows the content.
-            base = self.render(history)
+            base = self.render(history, tools=tools)
             body = self._delta(base, full, "an assistant turn")
         if body.startswith(raw):
             return body[len(raw) :]
@@ -123,9 +154,12 @@ class ChatState:
     messages: list[Message] = field(default_factory=list)
     open_turn: bool = False
     turn_tokens: list[int] = field(default_factory=list)
+    tools: list[Message] | None = None
+    """The tools every render of this conversation passes to the template (set before the
+    first turn: they render at its start)."""
 
     def copy(self) -> ChatState:
-        return ChatState(list(self.messages), self.open_turn, list(self.turn_tokens))
+        return ChatState(list(self.messages), self.open_turn, list(self.turn_tokens), self.tools)
 
     def open(self) -> None:
         """The generation prompt was appended: what follows is the assistant's turn."""
@@ -151,7 +185,7 @@ class ChatState:
             return ""
         raw = detokenize(self.turn_tokens)
         content = detokenize(self.turn_tokens, skip_special_tokens=True)
-        tail = template.close_turn(self.messages, content, raw)
+        tail = template.close_turn(self.messages, content, raw, self.tools)
         self.open_turn = False
         self.turn_tokens = []
         self.messages.append({"role": "assistant", "content": [{"type": "text", "text": content}]})
@@ -159,10 +193,14 @@ class ChatState:
 
 
 def chat_message(
-    role: str, content: Sequence[Any], prepare: Callable[[Any], Prepared]
+    role: str,
+    content: Sequence[Any],
+    prepare: Callable[[Any], Prepared],
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[Message, list[Prepared]]:
     """A role call's ``content`` (text parts and media, in order) as a template message,
-    with each media part prepared (``prepare``: the model's)."""
+    with each media part prepared (``prepare``: the model's). ``extra`` adds the message's
+    other keys the template reads (an assistant's ``tool_calls``, a tool's ``tool_call_id``)."""
     parts: list[dict[str, Any]] = []
     media: list[Prepared] = []
     for part in content:
@@ -172,7 +210,7 @@ def chat_message(
             p = prepare(part)
             media.append(p)
             parts.append({"type": p.kind})
-    return {"role": role, "content": parts}, media
+    return {"role": role, "content": parts, **(extra or {})}, media
 
 
 def template_pieces(text: str, media: Sequence[Prepared], arch: MediaMarkers) -> Iterator[str | Prepared]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,13 @@ less than the tokenizer's work there; below it, the other way round)."""
 
 @dataclass(frozen=True)
 class Turn:
-    """One message: a role and its parts (strings and media objects, in order)."""
+    """One message: a role and its parts (strings and media objects, in order), and the
+    message's other keys the chat template reads (an assistant's ``tool_calls``, a tool
+    result's ``tool_call_id``)."""
 
     role: str
     parts: tuple[Any, ...]
+    extra: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,22 @@ class Completion:
     all choices as they are produced; ``prompt_tokens`` is known once ``start`` returned.
     Closing it (or leaving ``async with``) cancels unfinished choices and frees their pages."""
 
-    def __init__(self, model: Model, turns: Sequence[Turn], params: CompletionParams):
+    def __init__(
+        self,
+        model: Model,
+        turns: Sequence[Turn],
+        params: CompletionParams,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ):
+        """``tools``: function definitions the chat template renders into the prompt
+        (``Context.use_tools``); parse the output with ``engine.tool_calls``."""
         for t in turns:
             if t.role not in ROLES:
                 raise InvalidRequestError(f"unknown role {t.role!r}; expected one of {', '.join(ROLES)}")
         if not turns:
             raise InvalidRequestError("a completion needs at least one message")
         self._init(model, tuple(turns), None, params)
+        self.tools = list(tools) if tools else None
 
     @classmethod
     def from_prompt(cls, model: Model, prompt: str | Sequence[int], params: CompletionParams) -> Completion:
@@ -123,6 +135,7 @@ class Completion:
             raise InvalidRequestError("prompt_logprobs needs a raw prompt (Completion.from_prompt)")
         self.model = model
         self.turns = turns
+        self.tools: list[Mapping[str, Any]] | None = None
         self.prompt = prompt
         """The raw prompt of ``from_prompt`` (text or ids); None for a chat."""
         self.prompt_ids: list[int] = []
@@ -161,8 +174,10 @@ class Completion:
         if self.prompt is not None:
             await self._fill_prompt(root)
         else:
-            pairs = [(turn.role, parts) for turn, parts in zip(self.turns, prepared, strict=True)]
-            if sum(len(p) for _, parts in pairs for p in parts if isinstance(p, str)) > LONG_TEXT_CHARS:
+            if self.tools:
+                root.use_tools(self.tools)
+            pairs = [(turn.role, parts, turn.extra) for turn, parts in zip(self.turns, prepared, strict=True)]
+            if sum(len(p) for _, parts, _ in pairs for p in parts if isinstance(p, str)) > LONG_TEXT_CHARS:
                 # tokenizing ~1 MB of text takes ~0.4 s: off the event loop, which the tokenizer
                 # lets run meanwhile (the context is this completion's own until it is flushed)
                 await asyncio.to_thread(root.turns, pairs)

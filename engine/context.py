@@ -26,7 +26,7 @@ import asyncio
 import hashlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -41,6 +41,7 @@ from engine.grammar import Grammar, GrammarMatcher
 from engine.lora import AdapterStack
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable, rows_key
+from engine.tool_calls import tool_call_format
 from media import check_int
 
 if TYPE_CHECKING:
@@ -224,37 +225,57 @@ class Context:
         ``Video`` or ``Prepared``), in order, as in a chat message's content list."""
         return self._turn("user", content)
 
-    def assistant(self, *content: Any) -> Context:
-        return self._turn("assistant", content)
+    def assistant(self, *content: Any, tool_calls: Sequence[Mapping[str, Any]] | None = None) -> Context:
+        """An assistant turn; ``tool_calls`` (OpenAI's shape: ``{"type": "function",
+        "function": {"name", "arguments"}}``) are the calls it made, as the template renders them."""
+        return self._turn("assistant", content, {"tool_calls": list(tool_calls)} if tool_calls else None)
 
-    def turns(self, turns: Iterable[tuple[str, Sequence[Any]]]) -> Context:
+    def tool(self, *content: Any, call_id: str | None = None) -> Context:
+        """A tool's result (the answer to the assistant's call ``call_id``)."""
+        return self._turn("tool", content, {"tool_call_id": call_id} if call_id else None)
+
+    def use_tools(self, tools: Sequence[Mapping[str, Any]]) -> Context:
+        """The tools (OpenAI's function definitions) the template renders into this
+        conversation. Set before the first turn: templates write them at its start. The
+        model's output is parsed with ``engine.tool_calls.tool_call_format(model)``."""
+        tool_call_format(self.model)
+        if self._chat.messages:
+            raise InvalidRequestError("use_tools() comes before the first turn (tools render at its start)")
+        self._chat.tools = [dict(t) for t in tools] or None
+        return self
+
+    def turns(
+        self, turns: Iterable[tuple[str, Sequence[Any]] | tuple[str, Sequence[Any], Mapping | None]]
+    ) -> Context:
         """Several turns at once, each ``(role, content parts)`` with role ``"system"``,
-        ``"user"`` or ``"assistant"``: the rows the same role calls in order would append
-        (for a prefix-stable template, token for token), with the template rendered once for
-        all of them, as the reference processor renders a whole conversation. A history sent
-        whole (a chat request) goes here: role call by role call, each renders the history
-        again."""
+        ``"user"``, ``"assistant"`` or ``"tool"`` (and optionally a third item: the message's
+        other keys, ``tool_calls`` or ``tool_call_id``): the rows the same role calls in
+        order would append (for a prefix-stable template, token for token), with the
+        template rendered once for all of them, as the reference processor renders a whole
+        conversation. A history sent whole (a chat request) goes here: role call by role
+        call, each renders the history again."""
         self._check_open()
         messages: list[Message] = []
         media: list[Prepared] = []
-        for role, content in turns:
+        for role, content, *extra in turns:
             if role not in ROLES:
                 raise InvalidRequestError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
-            message, items = chat_message(role, content, self.model.prepare)
+            message, items = chat_message(role, content, self.model.prepare, extra[0] if extra else None)
             messages.append(message)
             media.extend(items)
         if not messages:
             return self
         self._close_turn()
-        self._fill_template(self.model.chat.turns(self._chat.messages, messages), media)
-        self._chat.messages.extend(messages)
+        chat = self._chat
+        self._fill_template(self.model.chat.turns(chat.messages, messages, chat.tools), media)
+        chat.messages.extend(messages)
         return self
 
     def cue(self) -> Context:
         """The template's generation prompt (e.g. ``<|im_start|>assistant\\n``)."""
         self._check_open()
         self._close_turn()
-        self._fill_template(self.model.chat.cue(self._chat.messages), [])
+        self._fill_template(self.model.chat.cue(self._chat.messages, self._chat.tools), [])
         self._chat.open()
         return self
 
@@ -737,8 +758,8 @@ class Context:
         return prepared
 
     # -- internals: chat --------------------------------------------------------------------
-    def _turn(self, role: str, content: Sequence[Any]) -> Context:
-        return self.turns([(role, content)])
+    def _turn(self, role: str, content: Sequence[Any], extra: Mapping[str, Any] | None = None) -> Context:
+        return self.turns([(role, content, extra)])
 
     def _fill_template(self, text: str, media: list[Prepared]) -> None:
         pieces = [

@@ -198,7 +198,12 @@ def snapshot(ctx: Context, *, include_kv: bool = False) -> bytes:
         "model": model_identity(ctx.model),
         "segments": segments,
         "prepared": prepared,
-        "chat": {"messages": chat.messages, "open_turn": chat.open_turn, "turn_tokens": chat.turn_tokens},
+        "chat": {
+            "messages": chat.messages,
+            "open_turn": chat.open_turn,
+            "turn_tokens": chat.turn_tokens,
+            "tools": chat.tools,
+        },
         "seed": ctx._seed,
         "rows": len(ctx._rows),
         "sampler": _sampler_json(ctx.sampler),
@@ -268,7 +273,10 @@ def resume(model: Model, data: bytes) -> Context:
                 ctx._append_span(spans[seg["span"]])
         chat = manifest["chat"]
         ctx._chat = ChatState(
-            list(chat["messages"]), bool(chat["open_turn"]), [int(t) for t in chat["turn_tokens"]]
+            list(chat["messages"]),
+            bool(chat["open_turn"]),
+            [int(t) for t in chat["turn_tokens"]],
+            chat.get("tools"),  # snapshots saved before tools have none
         )
         if "generator" in tensors:
             ctx._generator = torch.Generator()

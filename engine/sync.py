@@ -67,8 +67,16 @@ class SyncContext:
         self.ctx.user(*content)
         return self
 
-    def assistant(self, *content: Any) -> SyncContext:
-        self.ctx.assistant(*content)
+    def assistant(self, *content: Any, tool_calls: Any = None) -> SyncContext:
+        self.ctx.assistant(*content, tool_calls=tool_calls)
+        return self
+
+    def tool(self, *content: Any, call_id: str | None = None) -> SyncContext:
+        self.ctx.tool(*content, call_id=call_id)
+        return self
+
+    def use_tools(self, tools: Any) -> SyncContext:
+        self.ctx.use_tools(tools)
         return self
 
     def turns(self, turns: Any) -> SyncContext:

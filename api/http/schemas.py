@@ -1,7 +1,7 @@
 """Request and response bodies (OpenAI shapes where OpenAI has one).
 
 Unknown request fields are ignored, as the OpenAI API and vLLM do; fields we know but
-cannot honour (tools, penalties) are refused with a 400 by the route, never silently
+cannot honour (penalties, logit_bias) are refused with a 400 by the route, never silently
 dropped. ``response_format`` takes OpenAI's text / json_object / json_schema and two
 extensions, regex and grammar (Lark): each becomes a token mask (``engine.grammar``).
 """
@@ -59,10 +59,46 @@ class VideoPart(_Lenient):
 ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
 
 
+class FunctionCall(_Lenient):
+    name: str = Field(max_length=256)
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallIn(_Lenient):
+    """A call an earlier assistant message made (sent back with the conversation)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Lenient):
@@ -156,7 +192,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """OpenAI's default: "auto" with tools, "none" without."""
+    parallel_tool_calls: bool = True
 
 
 # ------------------------------------------------------------------ chat completions: response
@@ -176,15 +215,31 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+    """The calls the model made (with ``tools``); left out otherwise."""
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
     logprobs: ChoiceLogprobs | None = None
 
 
@@ -203,15 +258,20 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(ToolCallOut):
+    index: int
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: ChoiceLogprobs | None = None
 
 

@@ -8,6 +8,7 @@ sampling fields -> an engine ``Sampler``), admits, and formats; the engine's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -37,6 +38,7 @@ from api.http.schemas import (
     Usage,
 )
 from api.http.sse import EventStream, Last, error_event
+from api.http.tool_use import ToolUse, tool_use_of
 from engine import (
     ChoiceEvent,
     Completion,
@@ -47,7 +49,7 @@ from engine import (
 
 router = APIRouter(tags=["chat"])
 
-_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @router.post(
@@ -63,21 +65,22 @@ async def chat_completions(
 ):
     served = service.models.get(body.model, kind="chat")
     model = served.model
-    params = _params(body, service, served)
+    tool_use = tool_use_of(body, model)
+    params = _params(body, service, served, tool_use)
     admission = served.admit()
     try:
         turns = await _turns(body.messages, service, set(model.media_kinds))
-        completion = Completion(model, turns, params)
+        completion = Completion(model, turns, params, tools=tool_use.tools if tool_use else None)
         started = time.perf_counter()
         if body.stream:
             await completion.start()  # prompt errors become a status, not a broken stream
             return EventStream(
-                _sse(completion, body, served.name, service, started, admission),
+                _sse(completion, body, served.name, service, started, admission, tool_use),
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
             answer = await cancel_on_disconnect(
-                request, _whole(completion, body, served.name, service, started)
+                request, _whole(completion, body, served.name, service, started, tool_use)
             )
             # Serialized once, in pydantic's core: handing FastAPI the model would validate it
             # again against the response model and encode it twice more (the OpenAPI schema
@@ -96,40 +99,45 @@ async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCo
     API runs its lines through this, the same path as ``POST /v1/chat/completions``. No
     admission slot is taken: a batch bounds its own concurrency."""
     served = service.models.get(body.model, kind="chat")
-    params = _params(body, service, served)
+    tool_use = tool_use_of(body, served.model)
+    params = _params(body, service, served, tool_use)
     turns = await _turns(body.messages, service, set(served.model.media_kinds))
-    completion = Completion(served.model, turns, params)
+    completion = Completion(served.model, turns, params, tools=tool_use.tools if tool_use else None)
     try:
-        return await _whole(completion, body, served.name, service, time.perf_counter())
+        return await _whole(completion, body, served.name, service, time.perf_counter(), tool_use)
     finally:
         await completion.aclose()
 
 
-def _params(body: ChatCompletionRequest, service: Service, served: ServedModel) -> CompletionParams:
-    if body.tools:
-        raise InvalidRequestError("tools are not supported by this server", param="tools")
+def _params(
+    body: ChatCompletionRequest, service: Service, served: ServedModel, tool_use: ToolUse | None
+) -> CompletionParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-    return completion_params(
+    params = completion_params(
         body,
         service,
         served,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
+    if tool_use is not None and tool_use.grammar is not None:
+        params = dataclasses.replace(params, grammar=tool_use.grammar)
+    return params
 
 
 async def _turns(messages: list[ChatMessage], service: Service, accepts: set[str]) -> list[Turn]:
     limits = service.settings.limit_mm_per_prompt
     counts = {"image": 0, "audio": 0, "video": 0}
-    turns: list[tuple[str, list[Any]]] = []
+    turns: list[tuple[str, list[Any], dict[str, Any] | None]] = []
     fetches: list[Any] = []
     try:
         for i, msg in enumerate(messages):
             role = _ROLE[msg.role]
             content = msg.content
+            extra = _message_extra(msg)
             if content is None or isinstance(content, str):
-                turns.append((role, [content or ""]))
+                turns.append((role, [content or ""], extra))
                 continue
             parts: list[Any] = []
             for j, part in enumerate(content):
@@ -161,7 +169,7 @@ async def _turns(messages: list[ChatMessage], service: Service, accepts: set[str
                 else:
                     fetches.append(resolver.from_base64(part.input_audio.data, "audio"))
                 parts.append(_Pending(len(fetches) - 1))
-            turns.append((role, parts))
+            turns.append((role, parts, extra))
     except BaseException:
         for pending in fetches:  # none was awaited yet: close them quietly
             pending.close()
@@ -173,9 +181,31 @@ async def _turns(messages: list[ChatMessage], service: Service, accepts: set[str
         if isinstance(item, BaseException):
             raise item
     return [
-        Turn(role, tuple(media[p.index] if isinstance(p, _Pending) else p for p in parts))
-        for role, parts in turns
+        Turn(role, tuple(media[p.index] if isinstance(p, _Pending) else p for p in parts), extra)
+        for role, parts, extra in turns
     ]
+
+
+def _message_extra(msg: ChatMessage) -> dict[str, Any] | None:
+    """A message's keys beside role and content that chat templates read: an assistant's
+    ``tool_calls`` (arguments as an object, as templates expect, where the JSON text is one)
+    and a tool result's ``tool_call_id``."""
+    if msg.tool_calls:
+        calls = []
+        for call in msg.tool_calls:
+            try:
+                args: Any = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                args = call.function.arguments
+            fn = {
+                "name": call.function.name,
+                "arguments": args if isinstance(args, dict) else call.function.arguments,
+            }
+            calls.append({"id": call.id, "type": "function", "function": fn})
+        return {"tool_calls": calls}
+    if msg.role == "tool" and msg.tool_call_id is not None:
+        return {"tool_call_id": msg.tool_call_id}
+    return None
 
 
 @dataclass(frozen=True)
@@ -195,7 +225,12 @@ def _logprobs(service: Service, model: Any, ev: ChoiceEvent) -> TokenLogprob:
 
 
 async def _whole(
-    completion: Completion, body: ChatCompletionRequest, name: str, service: Service, started: float
+    completion: Completion,
+    body: ChatCompletionRequest,
+    name: str,
+    service: Service,
+    started: float,
+    tool_use: ToolUse | None = None,
 ) -> ChatCompletion:
     n = completion.params.n
     texts = [""] * n
@@ -209,15 +244,21 @@ async def _whole(
         if body.logprobs:
             lps[ev.index].append(_logprobs(service, completion.model, ev))
     timing.done(completion)
-    choices = [
-        Choice(
-            index=i,
-            message=AssistantMessage(content=texts[i]),
-            finish_reason=reasons[i],
-            logprobs=ChoiceLogprobs(content=lps[i]) if body.logprobs else None,
+    choices = []
+    for i in range(n):
+        message, reason = AssistantMessage(content=texts[i]), reasons[i]
+        if tool_use is not None and tool_use.parses:
+            parsed = tool_use.format.parse(texts[i])
+            message = AssistantMessage(content=parsed.content, tool_calls=ToolUse.calls_out(parsed.calls))
+            reason = tool_use.finish_reason(reason, parsed.calls)
+        choices.append(
+            Choice(
+                index=i,
+                message=message,
+                finish_reason=reason,
+                logprobs=ChoiceLogprobs(content=lps[i]) if body.logprobs else None,
+            )
         )
-        for i in range(n)
-    ]
     return ChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
@@ -247,6 +288,7 @@ async def _sse(
     service: Service,
     started: float,
     admission: Any,
+    tool_use: ToolUse | None = None,
 ) -> AsyncIterator[str]:
     """The stream's SSE events, one item per write: the role chunks go out with the first
     tokens (the headers are already out by then), each group of tokens produced together
@@ -260,7 +302,28 @@ async def _sse(
         c = ChatCompletionChunk(id=cid, created=created, model=name, choices=choices, usage=usage)
         return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
+    parses = tool_use is not None and tool_use.parses
+    splitters = [tool_use.format.stream() for _ in range(completion.params.n)] if parses else []
+
+    def tool_event(ev: ChoiceEvent) -> str:
+        """A token of a choice whose text may hold tool calls: the content it releases,
+        and at the end the calls (each whole in one delta)."""
+        assert tool_use is not None
+        split = splitters[ev.index]
+        content, calls = split.feed(ev.text), ()
+        if ev.finish_reason:
+            rest, calls = split.finish()
+            content += rest
+        lp = ChoiceLogprobs(content=[_logprobs(service, completion.model, ev)]) if body.logprobs else None
+        reason = tool_use.finish_reason(ev.finish_reason, calls)
+        if not (content or reason or lp is not None):
+            return ""
+        delta = Delta(content=content or None, tool_calls=ToolUse.deltas(calls) or None)
+        return chunk([ChunkChoice(index=ev.index, delta=delta, finish_reason=reason, logprobs=lp)])
+
     def event(ev: ChoiceEvent) -> str:
+        if splitters:
+            return tool_event(ev)
         if ev.text and not ev.finish_reason and not body.logprobs:
             return token_chunk(head, ev.index, ev.text)
         lp = ChoiceLogprobs(content=[_logprobs(service, completion.model, ev)]) if body.logprobs else None
