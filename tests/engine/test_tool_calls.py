@@ -28,7 +28,10 @@ WEATHER = {
         "description": "The weather in a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 0, "maximum": 14}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 0, "maximum": 14},
+            },
             "required": ["city", "days"],
             "additionalProperties": False,
         },
