@@ -66,9 +66,9 @@ def tool_use_of(body: ChatCompletionRequest, model: Any) -> ToolUse | None:
         choice_field.function.name if choice_field is not None and not isinstance(choice_field, str) else None
     )
     choice = choice or choice_field or ("auto" if body.tools else "none")
-    if not body.tools:
-        if choice != "none":
-            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+    if not body.tools:  # none, or an empty list (sent by some clients): plain chat
+        if choice not in ("none", "auto"):
+            raise InvalidRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
         return None
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     check_tools(tools, choice)

@@ -156,12 +156,24 @@ def test_tool_choice_none_leaves_the_text_alone(client: openai.OpenAI) -> None:
         model=QWEN, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=5, temperature=0
     )
     assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
+    # An empty tool list (some clients always send one) is a plain chat.
+    plain = client.chat.completions.create(model=QWEN, messages=ASK, max_tokens=5, temperature=0)
+    empty = client.chat.completions.create(
+        model=QWEN, messages=ASK, tools=[], tool_choice="auto", max_tokens=5, temperature=0
+    )
+    assert empty.choices[0].message.content == plain.choices[0].message.content
+    assert empty.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 @pytest.mark.parametrize(
     "change, param, words",
     [
         ({"tool_choice": "required", "tools": None}, "tool_choice", "needs tools"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "x"}}, "tools": None},
+            "tool_choice",
+            "needs tools",
+        ),
         (
             {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
