@@ -64,6 +64,7 @@ from engine.metrics import Histogram, MetricsSnapshot
 from engine.model import Model
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable
+from engine.penalties import Penalties
 from engine.sampling import GREEDY_BELOW, Sampler, generator
 from engine.startup_heap import (
     freeze_startup_heap,
@@ -120,6 +121,7 @@ __all__ = [
     "Completion",
     "CompletionParams",
     "Turn",
+    "Penalties",
     "ParsedOutput",
     "ToolCall",
     "ToolCallFormat",

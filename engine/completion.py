@@ -29,6 +29,7 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.grammar import Grammar
 from engine.lora import Adapter
 from engine.model import Model
+from engine.penalties import Penalties
 from engine.sampling import Sampler
 
 LONG_TEXT_CHARS = 64 * 1024
@@ -65,6 +66,9 @@ class CompletionParams:
     """LoRA adapters (with scales) every choice runs under, bottom of the stack first."""
     speculative: DraftSpec | None = None
     """Speculative decoding: each choice drafts with its own ``speculative.make()``."""
+    penalties: Penalties | None = None
+    """Logit bias and repetition / frequency / presence penalties (each choice counts its
+    own output)."""
     prompt_logprobs: int | None = None
     """A raw prompt's own tokens' log-probabilities (``Completion.from_prompt``): None:
     none; k >= 0: each token's under the model given the ones before it (raw log-softmax,
@@ -276,6 +280,7 @@ class Completion:
                 logprobs=self.params.logprobs,
                 grammar=self.params.grammar,
                 drafter=spec.make() if spec is not None else None,
+                penalties=self.params.penalties,
             ):
                 self.completion_tokens[index] += 1
                 self._queue.put_nowait(

@@ -41,6 +41,7 @@ from engine.grammar import Grammar, GrammarMatcher
 from engine.lora import AdapterStack
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable, rows_key
+from engine.penalties import Penalties, PenaltyState
 from engine.tool_calls import tool_call_format
 from media import check_int
 
@@ -340,13 +341,17 @@ class Context:
         max_tokens: int | None = None,
         grammar: Grammar | None = None,
         drafter: Drafter | None = None,
+        penalties: Penalties | None = None,
     ) -> Generation:
         """Sample until ``stop`` (default: the model's EOS ids or ``max_tokens``, default 256).
         Generated tokens join the context (the last one stays pending). ``grammar``: the
-        output must match it; ``drafter``: speculative decoding (see ``stream``)."""
+        output must match it; ``drafter``: speculative decoding; ``penalties``: logit bias
+        and repetition/frequency/presence penalties (see ``stream``)."""
         tokens: list[int] = []
         reason = None
-        async for ev in self.stream(sampler, stop, max_tokens=max_tokens, grammar=grammar, drafter=drafter):
+        async for ev in self.stream(
+            sampler, stop, max_tokens=max_tokens, grammar=grammar, drafter=drafter, penalties=penalties
+        ):
             tokens.append(ev.token)
             reason = ev.done
         assert reason is not None
@@ -361,6 +366,7 @@ class Context:
         logprobs: int | None = None,
         grammar: Grammar | None = None,
         drafter: Drafter | None = None,
+        penalties: Penalties | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``generate`` one token at a time: yields a ``TokenEvent`` per token; the last one
         carries ``done`` (the stop reason). ``logprobs=k`` adds each token's log-probability
@@ -378,10 +384,17 @@ class Context:
         also checks the tokens it proposes and keeps those the sampler agrees with, plus one
         more (``engine.drafting`` says why greedy and seeded output are unchanged). Events
         still come one per token; the tokens of one pass come together (the pass's time is
-        spread over them in the inter-token latency histogram)."""
+        spread over them in the inter-token latency histogram).
+
+        ``penalties`` (``engine.penalties.Penalties``): logit bias and repetition /
+        frequency / presence penalties on every row before the grammar mask and the
+        sampler (greedy included); the counts are this generation's own."""
         self._check_open()
         if logprobs is not None:
             check_int("logprobs", logprobs, min=0, max=LOGPROBS_MAX)
+        if penalties is not None:
+            penalties.check_vocab(self.model.arch.vocab_size)
+        adjust = penalties.start(self.token_ids) if penalties is not None else None
         sampler = sampler or self.sampler or sampling.Sampler.greedy()
         cond = self._stop_condition(stop if stop is not None else self.stop, max_tokens)
         matcher = None
@@ -408,7 +421,7 @@ class Context:
         while True:
             self._check_open()
             events.clear()
-            self._take(rows, drafts, sampler, matcher, emit)
+            self._take(rows, drafts, sampler, matcher, emit, adjust)
             gen.observe(len(events))
             if drafter is not None:
                 drafter.update([ev.token for ev in events])
@@ -481,6 +494,7 @@ class Context:
         sampler: sampling.Sampler,
         matcher: GrammarMatcher | None,
         emit: Callable[[int, torch.Tensor], bool],
+        adjust: PenaltyState | None = None,
     ) -> None:
         """Sample ``rows`` in order (row i: the distribution after the pending token and
         ``drafts[:i]``); a drafted token is kept while it is what was sampled, and the first
@@ -489,7 +503,7 @@ class Context:
         context pending."""
         count = kept = 0
         for i, row in enumerate(rows):
-            token = self._pick(row, sampler, matcher)
+            token = self._pick(row, sampler, matcher, adjust)
             count += 1
             stopped = emit(token, row)
             if i < len(drafts) and token == drafts[i]:
@@ -501,9 +515,17 @@ class Context:
         if kept < count:
             self._append_text([token])
 
-    def _pick(self, logits: torch.Tensor, sampler: sampling.Sampler, matcher: GrammarMatcher | None) -> int:
-        """The next token from one row of logits (grammar mask, then the sampler and this
-        context's generator); the matcher advances past it."""
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        sampler: sampling.Sampler,
+        matcher: GrammarMatcher | None,
+        adjust: PenaltyState | None = None,
+    ) -> int:
+        """The next token from one row of logits (penalties, grammar mask, then the sampler
+        and this context's generator); the matcher and the penalty counts advance past it."""
+        if adjust is not None:
+            logits = adjust.apply(logits)  # a new tensor: the runner's argmax hint is not for it
         hint = self._argmax_hint
         if matcher is None and sampler.is_greedy and hint is not None and hint[0] is logits:
             token = hint[1]  # the runner read it with the whole pass's argmaxes
@@ -512,6 +534,8 @@ class Context:
             token = int(sampling.sample(scores[None], sampler, self._rng())[0])
         if matcher is not None:
             matcher.accept(token)
+        if adjust is not None:
+            adjust.add(token)
         return token
 
     async def _verify(self, drafts: list[int]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from engine.context import Context, Distribution, Generation, TokenEvent
 from engine.drafting import Drafter
 from engine.grammar import Grammar
 from engine.model import Model
+from engine.penalties import Penalties
 
 T = TypeVar("T")
 _local = threading.local()
@@ -120,9 +121,12 @@ class SyncContext:
         max_tokens: int | None = None,
         grammar: Grammar | None = None,
         drafter: Drafter | None = None,
+        penalties: Penalties | None = None,
     ) -> Generation:
         return run_sync(
-            self.ctx.generate(sampler, stop, max_tokens=max_tokens, grammar=grammar, drafter=drafter)
+            self.ctx.generate(
+                sampler, stop, max_tokens=max_tokens, grammar=grammar, drafter=drafter, penalties=penalties
+            )
         )
 
     def stream(
@@ -131,10 +135,20 @@ class SyncContext:
         stop: stopping.StopCondition | None = None,
         *,
         max_tokens: int | None = None,
+        logprobs: int | None = None,
         grammar: Grammar | None = None,
         drafter: Drafter | None = None,
+        penalties: Penalties | None = None,
     ) -> Iterator[TokenEvent]:
-        agen = self.ctx.stream(sampler, stop, max_tokens=max_tokens, grammar=grammar, drafter=drafter)
+        agen = self.ctx.stream(
+            sampler,
+            stop,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            grammar=grammar,
+            drafter=drafter,
+            penalties=penalties,
+        )
         try:
             while True:
                 try:

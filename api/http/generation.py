@@ -10,7 +10,7 @@ from typing import Any
 from api.http.deps import Service
 from api.http.registry import ServedModel
 from api.http.schemas import ResponseFormat, Usage
-from engine import Completion, CompletionParams, DraftSpec, Grammar, InvalidRequestError, Sampler
+from engine import Completion, CompletionParams, DraftSpec, Grammar, InvalidRequestError, Penalties, Sampler
 from media.errors import PieMediaError
 
 
@@ -26,13 +26,11 @@ def completion_params(
 ) -> CompletionParams:
     """``body``: a request with OpenAI's sampling fields (temperature, top_p, n, seed,
     stop, presence/frequency_penalty, logit_bias) and the extensions (top_k, min_p,
-    ignore_eos, response_format, speculative). ``max_tokens`` None: ``default_max_tokens``
+    repetition_penalty, ignore_eos, response_format, speculative). ``max_tokens`` None: ``default_max_tokens``
     (else the server's default), cut to the room the prompt leaves."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise InvalidRequestError(f"{name} is not supported by this server; leave it at 0", param=name)
-    if body.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported by this server", param="logit_bias")
+    penalties = penalties_of(body)
+    if penalties is not None:
+        penalties.check_vocab(served.model.arch.vocab_size)
     grammar = grammar_of(body.response_format)
     limit = service.settings.max_tokens_limit
     chosen = (
@@ -58,10 +56,31 @@ def completion_params(
         prompt_logprobs=prompt_logprobs,
         ignore_eos=body.ignore_eos,
         grammar=grammar,
+        penalties=penalties,
         adapters=((served.adapter, 1.0),) if served.adapter is not None else (),
         speculative=speculative_of(body, service.settings.speculative_config),
         max_tokens_is_default=max_tokens is None,
     )
+
+
+def penalties_of(body: Any) -> Penalties | None:
+    """OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as
+    strings), and vLLM's ``repetition_penalty``; None when none changes a logit."""
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            bias[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(
+                f"logit_bias keys are token ids, got {key!r}", param="logit_bias"
+            ) from None
+    penalties = Penalties.of(
+        presence=body.presence_penalty or 0.0,
+        frequency=body.frequency_penalty or 0.0,
+        repetition=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=bias,
+    )
+    return penalties if penalties.active else None
 
 
 def sampler_of(body: Any) -> Sampler:

@@ -1,7 +1,7 @@
 """Request and response bodies (OpenAI shapes where OpenAI has one).
 
 Unknown request fields are ignored, as the OpenAI API and vLLM do; fields we know but
-cannot honour (penalties, logit_bias) are refused with a 400 by the route, never silently
+cannot honour (``suffix``, ``best_of`` != n) are refused with a 400 by the route, never silently
 dropped. ``response_format`` takes OpenAI's text / json_object / json_schema and two
 extensions, regex and grammar (Lark): each becomes a token mask (``engine.grammar``).
 """
@@ -173,9 +173,14 @@ class GenerationRequest(_Lenient):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(
+        default=None, gt=0, le=10, description="extension (vLLM, transformers): 1 disables it"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (as a string) -> [-100, 100]"
+    )
     response_format: ResponseFormat | None = None
     speculative: SpeculativeOptions | None = Field(
         default=None,

@@ -211,7 +211,9 @@ def test_video_url_on_qwen(client: openai.OpenAI, samples: Path, local_qwen) -> 
     ("kwargs", "status", "code"),
     [
         ({"model": "no-such-model"}, 404, "model_not_found"),
-        ({"presence_penalty": 0.5}, 400, "invalid_request"),
+        ({"presence_penalty": 2.5}, 400, "invalid_request"),
+        ({"logit_bias": {"not-an-id": 1}}, 400, "invalid_request"),
+        ({"logit_bias": {"999999999": 1}}, 400, "invalid_request"),
         ({"max_tokens": 10**6}, 400, "invalid_request"),
         ({"messages": []}, 400, "invalid_request"),
         ({"model": "tiny-csm"}, 404, "model_not_found"),

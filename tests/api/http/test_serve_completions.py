@@ -141,7 +141,8 @@ def test_raw_sse_shape(server: Server) -> None:
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "max_tokens": 0}, "needs echo"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
-        ({"prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "x", "max_tokens": 10**6}, "over this server's limit"),
     ],
 )
@@ -154,3 +155,23 @@ def test_bad_requests_are_400(server: Server, extra: dict, message: str) -> None
 def test_an_unknown_model_is_404(server: Server) -> None:
     r = httpx.post(f"{server.v1}/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
     assert r.status_code == 404
+
+
+@pytest.mark.parametrize("model", [QWEN, GEMMA])
+def test_penalties_and_logit_bias_equal_the_engine(client: openai.OpenAI, local, model: str) -> None:
+    from engine import Penalties
+
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
+    r = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.8,
+        logit_bias={"17": 5.0, "42": -100},
+        extra_body={"repetition_penalty": 1.3},
+    )
+    penalties = Penalties.of(presence=0.5, frequency=0.8, repetition=1.3, logit_bias={17: 5.0, 42: -100.0})
+    (want,), _ = engine_answer(local[model], PROMPT, max_tokens=10, penalties=penalties)
+    assert r.choices[0].text == want[0] != plain.choices[0].text
