@@ -62,6 +62,12 @@ class MediaEncoder(ABC):
     family: str = ""
     kinds: frozenset[MediaKind] = frozenset()
 
+    @property
+    def max_audio_seconds(self) -> float | None:
+        """The longest audio clip the tower takes whole (None: no audio, or no limit);
+        ``media.split_audio`` cuts longer ones for tasks that need every second."""
+        return None
+
     def __init__(self, *, name: str, fingerprint: str, cache: EncoderCache | None = None):
         self.name = name
         self.fingerprint = fingerprint

@@ -2,6 +2,7 @@
 limits and content-hashed. Knows nothing about models."""
 
 from media.audio import Audio
+from media.audio_split import split_audio
 from media.data_url import decode_data_url
 from media.detect import open_media
 from media.errors import (
@@ -47,5 +48,6 @@ __all__ = [
     "content_hash",
     "decode_data_url",
     "open_media",
+    "split_audio",
     "warm_kernels",
 ]

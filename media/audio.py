@@ -285,6 +285,18 @@ class Audio:
         out = np.ascontiguousarray(out, dtype=np.float32)
         return self._child(out, rate, "resample", rate, "soxr", RESAMPLE_QUALITY)
 
+    def segment(self, start: int, end: int) -> Audio:
+        """Frames ``start`` up to ``end`` (clamped to the clip) as a clip of their own, its
+        hash derived from this one's and the range."""
+        start = max(0, min(int(start), self.frames))
+        end = max(start, min(int(end), self.frames))
+        if end == start:
+            raise EmptyMediaError(f"audio segment {start}:{end} holds no samples", actual=0, kind=KIND)
+        if (start, end) == (0, self.frames):
+            return self
+        # Rows of a C-ordered array: a view, no copy.
+        return self._child(np.ascontiguousarray(self._samples[start:end]), self._rate, "segment", start, end)
+
     def mono_at(self, rate: int) -> np.ndarray:
         """1-D float32 mono samples at ``rate`` (mixed down first, then resampled, as
         ``librosa.load(sr=rate, mono=True)`` does). Read-only: copy before writing."""

@@ -387,6 +387,10 @@ class Gemma4Encoder(CheckpointEncoder):
             },
         )
 
+    @property
+    def max_audio_seconds(self) -> float | None:
+        return self.audio_settings.max_seconds if self.audio_settings is not None else None
+
     def _audio(self) -> AudioSettings:
         if self.audio_settings is None:
             raise UnsupportedMediaKindError(f"model {self.name!r} has no audio tower", kind="audio")

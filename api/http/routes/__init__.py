@@ -13,6 +13,7 @@ from api.http.routes import (
     media,
     models,
     speech,
+    transcriptions,
 )
 
 ROUTERS = [
@@ -22,6 +23,7 @@ ROUTERS = [
     media.router,
     captions.router,
     speech.router,
+    transcriptions.router,
     jobs.router,
     files.router,
     batches.router,
