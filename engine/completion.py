@@ -165,29 +165,42 @@ class Completion:
             f"prompt_tokens={self.prompt_tokens}, completion_tokens={sum(self.completion_tokens)})"
         )
 
+    async def prompt_token_ids(self, *, cue: bool = True) -> list[int]:
+        """The prompt's token ids (media rows as their placeholder ids) as ``start`` would
+        build them, without computing anything or holding pages: the count a request will
+        cost (``/tokenize``). ``cue=False`` leaves out the generation prompt."""
+        async with Context(self.model) as ctx:
+            await self._fill(ctx, cue=cue)
+            return ctx.token_ids
+
+    async def _fill(self, root: Context, *, cue: bool = True) -> None:
+        """The prompt's rows in ``root`` (media prepared, the template rendered), none computed."""
+        prepared = await self._prepare_turns()
+        if self.prompt is not None:
+            await self._fill_prompt(root)
+            return
+        if self.tools:
+            root.use_tools(self.tools)
+        pairs = [(turn.role, parts, turn.extra) for turn, parts in zip(self.turns, prepared, strict=True)]
+        if sum(len(p) for _, parts, _ in pairs for p in parts if isinstance(p, str)) > LONG_TEXT_CHARS:
+            # tokenizing ~1 MB of text takes ~0.4 s: off the event loop, which the tokenizer
+            # lets run meanwhile (the context is this completion's own until it is flushed)
+            await asyncio.to_thread(root.turns, pairs)
+        else:
+            root.turns(pairs)
+        if cue:
+            root.cue()
+
     async def start(self) -> Completion:
         """Prepare the media, prefill the conversation once and fork the choices."""
         if self._started:
             return self
         self._started = True
-        prepared = await self._prepare_turns()
         root = Context(self.model, seed=self.params.seed)
         self._contexts.append(root)
         for adapter, scale in self.params.adapters:
             root.adapters.push(adapter, scale)
-        if self.prompt is not None:
-            await self._fill_prompt(root)
-        else:
-            if self.tools:
-                root.use_tools(self.tools)
-            pairs = [(turn.role, parts, turn.extra) for turn, parts in zip(self.turns, prepared, strict=True)]
-            if sum(len(p) for _, parts, _ in pairs for p in parts if isinstance(p, str)) > LONG_TEXT_CHARS:
-                # tokenizing ~1 MB of text takes ~0.4 s: off the event loop, which the tokenizer
-                # lets run meanwhile (the context is this completion's own until it is flushed)
-                await asyncio.to_thread(root.turns, pairs)
-            else:
-                root.turns(pairs)
-            root.cue()
+        await self._fill(root)
         self._fit(len(root))  # before any row is computed
         if self.params.prompt_logprobs is not None:
             logits = await root.flush(return_logits=True)

@@ -13,6 +13,7 @@ from api.http.routes import (
     media,
     models,
     speech,
+    tokenize,
     transcriptions,
 )
 
@@ -29,4 +30,5 @@ ROUTERS = [
     batches.router,
     embeddings.router,
     inferlets.router,
+    tokenize.router,
 ]
