@@ -148,6 +148,9 @@ class Completion:
         """With ``params.prompt_logprobs``: one per prompt token (known once ``start`` returned)."""
         self.params = params
         self.prompt_tokens = 0
+        self.cached_tokens = 0
+        """Prompt tokens taken from the prefix cache rather than computed (known once
+        ``start`` returned)."""
         self.max_tokens = params.max_tokens
         """Tokens each choice may generate: ``params.max_tokens``, or less for a default
         that the context length cuts (known once ``start`` returned)."""
@@ -214,6 +217,7 @@ class Completion:
             # a pass apart instead of sharing every decode pass from the first.
             await root._ensure_logits()
         self.prompt_tokens = len(root)
+        self.cached_tokens = root.cached_rows
         choices = [root] + [root.fork() for _ in range(self.params.n - 1)]
         self._contexts.extend(choices[1:])
         if self.params.seed is not None:

@@ -140,6 +140,9 @@ class Context:
         # computed (the LM head runs only if something samples or asks for them).
         self._last_hidden: torch.Tensor | None = None
         self._chat = ChatState()
+        self.cached_rows = 0
+        """Rows a prefill took from the prefix cache (published pages, a kept tail) instead
+        of computing them (usage's ``cached_tokens``)."""
         self._seed = seed
         self._generator: torch.Generator | None = None
         self._busy = False
@@ -862,7 +865,9 @@ class Context:
             if not every:
                 # Published pages matching pending rows (the prefix cache); the last row is
                 # always computed (its output is what this prefill is for).
+                before = self._n
                 self._n = self._table.reuse(self._rows, self._n, limit=total - 1)
+                self.cached_rows += self._n - before
                 if self._take_tail(total):
                     break  # the rest, and the last row's output, were kept by an earlier prefill
             start = self._n
@@ -922,6 +927,7 @@ class Context:
         if taken is None:
             return False
         self._n = total
+        self.cached_rows += total - start
         self._table.publish(self._rows, total)
         logits, hidden = taken[1]
         self._last_logits, self._last_hidden = (logits, None) if logits is not None else (None, hidden)

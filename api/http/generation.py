@@ -9,7 +9,7 @@ from typing import Any
 
 from api.http.deps import Service
 from api.http.registry import ServedModel
-from api.http.schemas import ResponseFormat, Usage
+from api.http.schemas import PromptTokensDetails, ResponseFormat, Usage
 from engine import Completion, CompletionParams, DraftSpec, Grammar, InvalidRequestError, Penalties, Sampler
 from media.errors import PieMediaError
 
@@ -138,6 +138,7 @@ def usage_of(completion: Completion) -> Usage:
         prompt_tokens=completion.prompt_tokens,
         completion_tokens=done,
         total_tokens=completion.prompt_tokens + done,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=completion.cached_tokens),
     )
 
 

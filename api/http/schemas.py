@@ -248,10 +248,16 @@ class Choice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens whose K/V came from the prefix cache (not computed again)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ChatCompletion(BaseModel):

@@ -386,3 +386,17 @@ def test_seeds_are_64_bit_integers(server: Server) -> None:
     top = ask(2**63 - 1, n=3)
     assert top.status_code == 200 and len(top.json()["choices"]) == 3
     assert ask(2**63 - 1, n=3).json()["choices"] == top.json()["choices"]  # reproducible
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client: openai.OpenAI) -> None:
+    import uuid
+
+    text = f"{uuid.uuid4().hex} " + "a long and unique prompt about caching " * 12
+    messages = [{"role": "user", "content": text}]
+    first = client.chat.completions.create(model=QWEN, messages=messages, max_tokens=2, temperature=0)
+    again = client.chat.completions.create(model=QWEN, messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # never seen: every row computed
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    # Whole published pages (32 rows each) and the kept tail: all but the rows computed anew.
+    assert 0 < cached <= again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
