@@ -26,6 +26,7 @@ from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.openapi import install_openapi
 from api.http.registry import ModelRegistry, ServedModel, add_lora_modules
+from api.http.responses_store import ResponseStore
 from api.http.routes import ROUTERS, batches, health, ui
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
 from api.http.settings import ServeSettings
@@ -113,6 +114,9 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
             jobs, store, registry, resolver, lease_s=settings.job_lease_s, poll_s=settings.job_poll_s
         ),
         files=FileStore(settings.state_dir, index=index(settings.state_dir / "files.sqlite3")),
+        responses=ResponseStore(
+            settings.state_dir / "responses.sqlite3", index=index(settings.state_dir / "responses.sqlite3")
+        ),
         inferlet_store=InferletStore(settings.state_dir),
         inferlet_runs=runs,
     )

@@ -15,6 +15,7 @@ from api.http.jobs_store import JobStore
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.registry import ModelRegistry
+from api.http.responses_store import ResponseStore
 from api.http.schemas import ErrorResponse
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
@@ -44,6 +45,7 @@ class Service:
     jobs: JobStore
     job_runner: JobRunner
     files: FileStore
+    responses: ResponseStore
     inferlet_store: InferletStore
     inferlet_runs: RunTable
     inferlets: Any = None

@@ -12,6 +12,7 @@ from api.http.routes import (
     jobs,
     media,
     models,
+    responses,
     speech,
     tokenize,
     transcriptions,
@@ -20,6 +21,7 @@ from api.http.routes import (
 ROUTERS = [
     models.router,
     chat.router,
+    responses.router,
     completions.router,
     media.router,
     captions.router,

@@ -94,19 +94,37 @@ async def chat_completions(
         raise
 
 
-async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCompletion:
-    """A whole (non-streamed) chat completion without an HTTP request around it: the Batch
-    API runs its lines through this, the same path as ``POST /v1/chat/completions``. No
-    admission slot is taken: a batch bounds its own concurrency."""
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request turned into the engine's ``Completion`` (not started) and its tool use."""
+
+    served: ServedModel
+    completion: Completion
+    tool_use: ToolUse | None
+
+
+async def prepare_chat(body: ChatCompletionRequest, service: Service) -> PreparedChat:
+    """The chat endpoint's checks and conversion, for callers that run the completion
+    themselves (the Batch API, the Responses API): the same path as a chat request."""
     served = service.models.get(body.model, kind="chat")
     tool_use = tool_use_of(body, served.model)
     params = _params(body, service, served, tool_use)
     turns = await _turns(body.messages, service, set(served.model.media_kinds))
     completion = Completion(served.model, turns, params, tools=tool_use.tools if tool_use else None)
+    return PreparedChat(served, completion, tool_use)
+
+
+async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCompletion:
+    """A whole (non-streamed) chat completion without an HTTP request around it: the Batch
+    API runs its lines through this, the same path as ``POST /v1/chat/completions``. No
+    admission slot is taken: a batch bounds its own concurrency."""
+    chat = await prepare_chat(body, service)
     try:
-        return await _whole(completion, body, served.name, service, time.perf_counter(), tool_use)
+        return await _whole(
+            chat.completion, body, chat.served.name, service, time.perf_counter(), chat.tool_use
+        )
     finally:
-        await completion.aclose()
+        await chat.completion.aclose()
 
 
 def _params(
