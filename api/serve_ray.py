@@ -56,7 +56,7 @@ from ray.serve.request_router import PendingRequest, RunningReplica  # noqa: E40
 log = logging.getLogger("pie_media.serve_ray")
 
 REPLICA_HEADER = "x-pie-media-replica"
-AFFINITY_PATHS = ("/v1/chat/completions", "/v1/completions")
+AFFINITY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 AFFINITY_PARTS = 2
 """How many leading content parts name a request's prefix (system prompt + first media)."""
 RETRIES = 2
@@ -108,6 +108,20 @@ def affinity_key(path: str, body: bytes, parts: int = AFFINITY_PARTS) -> str | N
                 break
     elif isinstance(req.get("prompt"), str):
         head = [req["prompt"][:4096]]
+    elif path == "/v1/responses":
+        # The instructions start every turn of a conversation; without them, the input
+        # starts it unless it continues a stored one (whose start the router cannot see).
+        if isinstance(req.get("instructions"), str):
+            head = [f"system:{req['instructions']}"]
+        elif req.get("previous_response_id") is None:
+            if isinstance(req.get("input"), str):
+                head = [f"user:{req['input']}"]
+            elif isinstance(req.get("input"), list):
+                for item in req["input"]:
+                    if isinstance(item, dict) and "content" in item:
+                        head += [f"{item.get('role')}:{p}" for p in _parts(item)]
+                    if len(head) >= parts:
+                        break
     if not head:
         return None
     h = hashlib.sha256(str(req.get("model")).encode())
