@@ -95,7 +95,8 @@ class TextConfig(_Lenient):
 
 class ResponsesRequest(_Lenient):
     model: str
-    input: str | list[InputItem] = Field(max_length=MAX_MESSAGES)
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
+    """Text (one user message) or items; at most ``MAX_MESSAGES`` items, as chat's messages."""
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)

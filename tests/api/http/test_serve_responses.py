@@ -232,3 +232,10 @@ def test_bad_requests(server: Server, body: dict, status: int) -> None:
     r = httpx.post(f"{server.v1}/responses", json={"model": QWEN, **body}, timeout=60)
     assert r.status_code == status, r.text
     assert r.json()["error"]["message"]
+
+
+def test_a_long_text_input_is_one_message(server: Server) -> None:
+    body = {"model": QWEN, "input": "word " * 1500, "max_output_tokens": 1, "store": False}
+    r = httpx.post(f"{server.v1}/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] > 1500
