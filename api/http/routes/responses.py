@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from pydantic import ValidationError
 
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
@@ -40,7 +41,7 @@ from api.http.responses_schemas import (
 from api.http.routes.chat import PreparedChat, prepare_chat
 from api.http.schemas import ChatCompletionRequest
 from api.http.sse import EventStream, Last
-from engine import ToolCall
+from engine import InvalidRequestError, ToolCall
 
 router = APIRouter(tags=["responses"])
 ERRORS = Service.error_responses(400, 401, 404, 413, 415, 429)
@@ -152,7 +153,14 @@ def chat_request(
             chat["response_format"] = {"type": "json_schema", "json_schema": spec}
         else:
             chat["response_format"] = {"type": fmt.type}
-    return ChatCompletionRequest.model_validate(chat), conversation
+    if not conversation:
+        raise InvalidRequestError("input has no items", param="input")
+    try:
+        return ChatCompletionRequest.model_validate(chat), conversation
+    except ValidationError as e:  # what only the chat form checks (a part's shape, ...)
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise InvalidRequestError(f"{where}: {first['msg']}", param="input") from None
 
 
 def _content(content: Any) -> Any:

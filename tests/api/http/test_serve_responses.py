@@ -215,6 +215,8 @@ def test_streamed_function_calls(client: openai.OpenAI) -> None:
         ({"input": "x", "tool_choice": "required"}, 400),
         ({"input": [{"type": "function_call_output"}]}, 400),
         ({"input": "x", "max_output_tokens": 0}, 400),
+        ({"input": []}, 400),
+        ({"input": [{"role": "user", "content": "x"}], "model": ""}, 404),
         (
             {
                 "input": [
