@@ -134,7 +134,9 @@ class PenaltyState:
             out.index_add_(0, self._bias[0], self._bias[1])
         if p.repetition != 1.0:
             penalized = torch.where(out < 0, out * p.repetition, out / p.repetition)
-            out = torch.where(self._seen, penalized, out)
+            # A penalty near 0 divides a logit past float range: the largest finite value
+            # keeps it the most likely token instead of an infinity the sampler cannot use.
+            out = torch.where(self._seen, penalized, out).clamp(max=torch.finfo(out.dtype).max)
         if p.frequency:
             out -= p.frequency * self._counts
         if p.presence:

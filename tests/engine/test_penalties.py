@@ -116,6 +116,17 @@ def test_each_choice_counts_its_own_output_and_drafting_changes_nothing(qwen):
     assert drafted == [alone]
 
 
+def test_a_penalty_near_zero_still_samples(qwen):
+    """repetition_penalty 5e-324 divides positive logits past float range (the fuzzer sent
+    it); the tokens so pushed up stay finite, so greedy and sampling both take one of them."""
+    seen = set(_prompt(qwen).token_ids)
+    for sampler in (Sampler.greedy(), Sampler(temperature=1.0)):
+        ctx = _prompt(qwen)
+        out = ctx.generate(sampler, max_tokens(3), penalties=Penalties(repetition=5e-324)).tokens
+        ctx.close()
+        assert len(out) == 3 and out[0] in seen
+
+
 def test_logprobs_stay_the_models_own(qwen):
     ctx = _prompt(qwen)
     raw = torch.log_softmax(ctx.flush(return_logits=True)[-1].float(), dim=-1)
