@@ -1,5 +1,5 @@
 """OpenAI's Batch API: ``POST /v1/batches`` (an uploaded JSONL of requests to one endpoint:
-``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings``), ``GET /v1/batches[/{id}]``,
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` or ``/v1/responses``), ``GET /v1/batches[/{id}]``,
 ``POST /v1/batches/{id}/cancel``.
 
 A batch is a job of the job store (kind "batch"): each line an item, run through the
@@ -24,10 +24,12 @@ from api.http.completion_schemas import CompletionRequest
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError, error_body, status_for
 from api.http.jobs_store import JobRecord
+from api.http.responses_schemas import ResponsesRequest
 from api.http.routes.chat import complete_chat
 from api.http.routes.completions import complete_text
 from api.http.routes.embeddings import EmbeddingRequest, embed_request
 from api.http.routes.files import get_file
+from api.http.routes.responses import complete_response
 from api.http.schemas import ChatCompletionRequest
 from media import InvalidRequestError, PieMediaError
 
@@ -51,8 +53,9 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint(ChatCompletionRequest, complete_chat),
     "/v1/completions": Endpoint(CompletionRequest, complete_text),
     "/v1/embeddings": Endpoint(EmbeddingRequest, _embed),
+    "/v1/responses": Endpoint(ResponsesRequest, complete_response),
 }
-EndpointPath = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+EndpointPath = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 assert set(get_args(EndpointPath)) == set(ENDPOINTS)  # the schema's enum names every endpoint
 MAX_LINES = 50_000
 BATCH_CONCURRENCY = 8

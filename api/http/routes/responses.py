@@ -53,15 +53,7 @@ ERRORS = Service.error_responses(400, 401, 404, 413, 415, 429)
     responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE events"}, **ERRORS},
 )
 async def create_response(body: ResponsesRequest, request: Request, service: Service = Depends(get_service)):
-    previous: list[dict[str, Any]] = []
-    if body.previous_response_id is not None:
-        stored = await asyncio.to_thread(service.responses.get, body.previous_response_id)
-        if stored is None:
-            raise ServiceError(
-                "not_found", f"no stored response {body.previous_response_id!r}", param="previous_response_id"
-            )
-        previous = stored[1]
-    chat_body, conversation = chat_request(body, previous)
+    chat_body, conversation = chat_request(body, await _previous(body, service))
     served = service.models.get(body.model, kind="chat")
     admission = served.admit()
     try:
@@ -81,6 +73,18 @@ async def create_response(body: ResponsesRequest, request: Request, service: Ser
         raise
 
 
+async def complete_response(body: ResponsesRequest, service: Service) -> ResponseObject:
+    """A whole (non-streamed) response without an HTTP request around it: the Batch API
+    runs its ``/v1/responses`` lines through this, the same path as the route. No
+    admission slot is taken: a batch bounds its own concurrency."""
+    chat_body, conversation = chat_request(body, await _previous(body, service))
+    chat = await prepare_chat(chat_body, service)
+    try:
+        return await _Run(body, chat, conversation, service).whole()
+    finally:
+        await chat.completion.aclose()
+
+
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERRORS)
 async def get_response(response_id: str, service: Service = Depends(get_service)) -> Response:
     stored = await asyncio.to_thread(service.responses.get, response_id)
@@ -94,6 +98,18 @@ async def delete_response(response_id: str, service: Service = Depends(get_servi
     if not await asyncio.to_thread(service.responses.delete, response_id):
         raise ServiceError("not_found", f"no stored response {response_id!r}", param="response_id")
     return ResponseDeleted(id=response_id)
+
+
+async def _previous(body: ResponsesRequest, service: Service) -> list[dict[str, Any]]:
+    """The stored conversation ``previous_response_id`` names (none without one)."""
+    if body.previous_response_id is None:
+        return []
+    stored = await asyncio.to_thread(service.responses.get, body.previous_response_id)
+    if stored is None:
+        raise ServiceError(
+            "not_found", f"no stored response {body.previous_response_id!r}", param="previous_response_id"
+        )
+    return stored[1]
 
 
 def chat_request(

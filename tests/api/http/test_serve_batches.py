@@ -233,7 +233,50 @@ def test_a_batch_to_an_unserved_endpoint_is_refused(server: Server, client: open
     f = client.files.create(file=("b.jsonl", io.BytesIO(b'{"custom_id": "a"}\n')), purpose="batch")
     r = httpx.post(
         f"{server.v1}/batches",
-        json={"input_file_id": f.id, "endpoint": "/v1/responses", "completion_window": "24h"},
+        json={"input_file_id": f.id, "endpoint": "/v1/moderations", "completion_window": "24h"},
     )
     assert 400 <= r.status_code < 500
-    assert "/v1/embeddings" in r.text  # the answer names what is served
+    assert "/v1/responses" in r.text  # the answer names what is served
+
+
+def test_a_responses_batch_equals_the_responses_endpoint(client: openai.OpenAI) -> None:
+    bodies = {
+        "plain": {
+            "model": QWEN,
+            "input": "Say hi.",
+            "max_output_tokens": 4,
+            "temperature": 0,
+            "store": False,
+        },
+        "instructed": {
+            "model": QWEN,
+            "instructions": "Be brief.",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Why?"}]}],
+            "max_output_tokens": 5,
+            "temperature": 0,
+            "store": False,
+        },
+    }
+    lines = [
+        json.dumps({"custom_id": k, "method": "POST", "url": "/v1/responses", "body": b})
+        for k, b in bodies.items()
+    ]
+    lines.append(
+        json.dumps(
+            {
+                "custom_id": "bad",
+                "method": "POST",
+                "url": "/v1/responses",
+                "body": {"model": QWEN, "input": []},
+            }
+        )
+    )
+    done, out, errs = _run_batch(client, "/v1/responses", lines)
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    assert errs["bad"]["response"]["status_code"] == 400
+    for key, body in bodies.items():
+        got = out[key]["response"]["body"]
+        direct = client.responses.create(**body)
+        assert got["object"] == "response" and got["status"] == direct.status
+        assert got["output"][0]["content"][0]["text"] == direct.output_text
+        assert got["usage"]["input_tokens"] == direct.usage.input_tokens
