@@ -65,6 +65,7 @@ from engine.model import Model
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable
 from engine.penalties import Penalties
+from engine.reasoning import ReasoningMarkers, ReasoningSplit, reasoning_markers
 from engine.sampling import GREEDY_BELOW, Sampler, generator
 from engine.startup_heap import (
     freeze_startup_heap,
@@ -122,6 +123,9 @@ __all__ = [
     "CompletionParams",
     "Turn",
     "Penalties",
+    "ReasoningMarkers",
+    "ReasoningSplit",
+    "reasoning_markers",
     "ParsedOutput",
     "ToolCall",
     "ToolCallFormat",

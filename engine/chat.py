@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from jinja2 import TemplateError
+
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -37,6 +39,18 @@ Message = dict[str, Any]
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a chat turn can have (each a ``Context`` method; "tool" carries a tool's
 result back, rendered as the template renders tool messages)."""
+RESERVED_TEMPLATE_KEYS = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "chat_template",
+        "tokenize",
+        "documents",
+        "continue_final_message",
+    }
+)
+"""Template keywords the engine sets itself (tools through ``Context.use_tools``)."""
 TOOL_PROBE = [{"type": "function", "function": {"name": "probe", "description": "", "parameters": {}}}]
 
 
@@ -57,9 +71,9 @@ class ChatTemplate:
         from one without); a template that ignores them cannot take tool calling."""
         if self._renders_tools is None:
             probe = [{"role": "user", "content": "hi"}]
-            self._renders_tools = self.available and self.render(probe, tools=TOOL_PROBE) != self.render(
-                probe
-            )
+            self._renders_tools = self.available and self.render(
+                probe, options={"tools": TOOL_PROBE}
+            ) != self.render(probe)
         return self._renders_tools
 
     def render(
@@ -67,7 +81,7 @@ class ChatTemplate:
         messages: list[Message],
         *,
         add_generation_prompt: bool = False,
-        tools: list[Message] | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> str:
         if not self.template:
             raise InvalidRequestError(
@@ -76,14 +90,16 @@ class ChatTemplate:
             )
         if not messages and not add_generation_prompt:
             return ""
-        return self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **self.template_kwargs,
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.template_kwargs, **(options or {})},
+            )
+        except TemplateError as e:  # the template's own raise_exception(), or options it cannot use
+            raise InvalidRequestError(f"the chat template refused the conversation: {e}") from None
 
     def _delta(self, before: str, after: str, what: str) -> str:
         if not after.startswith(before):
@@ -95,37 +111,37 @@ class ChatTemplate:
         return after[len(before) :]
 
     def turns(
-        self, history: list[Message], messages: list[Message], tools: list[Message] | None = None
+        self, history: list[Message], messages: list[Message], options: Mapping[str, Any] | None = None
     ) -> str:
         """Text that appending all of ``messages`` to ``history`` adds, from two renders
         whatever their number (a render per message would make a conversation sent whole
         cost the square of its length)."""
         what = f"a {messages[0]['role']} turn" if len(messages) == 1 else f"{len(messages)} turns"
         return self._delta(
-            self.render(history, tools=tools), self.render([*history, *messages], tools=tools), what
+            self.render(history, options=options), self.render([*history, *messages], options=options), what
         )
 
-    def cue(self, history: list[Message], tools: list[Message] | None = None) -> str:
+    def cue(self, history: list[Message], options: Mapping[str, Any] | None = None) -> str:
         """Text of the generation prompt after ``history``."""
         return self._delta(
-            self.render(history, tools=tools),
-            self.render(history, add_generation_prompt=True, tools=tools),
+            self.render(history, options=options),
+            self.render(history, add_generation_prompt=True, options=options),
             "the cue",
         )
 
     def close_turn(
-        self, history: list[Message], content: str, raw: str, tools: list[Message] | None = None
+        self, history: list[Message], content: str, raw: str, options: Mapping[str, Any] | None = None
     ) -> str:
         """What still has to follow an assistant turn whose generated text is ``raw``
         (special tokens included; ``content`` = the same without them) for the context to
         read as the template renders ``history + [assistant: content]``."""
-        cued = self.render(history, add_generation_prompt=True, tools=tools)
-        full = self.render([*history, {"role": "assistant", "content": content}], tools=tools)
+        cued = self.render(history, add_generation_prompt=True, options=options)
+        full = self.render([*history, {"role": "assistant", "content": content}], options=options)
         body = self._delta(cued, full, "an assistant turn") if full.startswith(cued) else None
         if body is None:
             # Templates that drop the generation prompt from rendered history (e.g. an
             # empty thought channel): close the turn with what follows the content.
-            base = self.render(history, tools=tools)
+            base = self.render(history, options=options)
             body = self._delta(base, full, "an assistant turn")
         if body.startswith(raw):
             return body[len(raw) :]
@@ -154,12 +170,13 @@ class ChatState:
     messages: list[Message] = field(default_factory=list)
     open_turn: bool = False
     turn_tokens: list[int] = field(default_factory=list)
-    tools: list[Message] | None = None
-    """The tools every render of this conversation passes to the template (set before the
-    first turn: they render at its start)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """What every render of this conversation passes to the template besides the messages:
+    ``tools``, and per-conversation template keywords such as ``enable_thinking`` (set
+    before the first turn: templates render them at its start)."""
 
     def copy(self) -> ChatState:
-        return ChatState(list(self.messages), self.open_turn, list(self.turn_tokens), self.tools)
+        return ChatState(list(self.messages), self.open_turn, list(self.turn_tokens), dict(self.options))
 
     def open(self) -> None:
         """The generation prompt was appended: what follows is the assistant's turn."""
@@ -185,7 +202,7 @@ class ChatState:
             return ""
         raw = detokenize(self.turn_tokens)
         content = detokenize(self.turn_tokens, skip_special_tokens=True)
-        tail = template.close_turn(self.messages, content, raw, self.tools)
+        tail = template.close_turn(self.messages, content, raw, self.options)
         self.open_turn = False
         self.turn_tokens = []
         self.messages.append({"role": "assistant", "content": [{"type": "text", "text": content}]})

@@ -107,9 +107,12 @@ class Completion:
         turns: Sequence[Turn],
         params: CompletionParams,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_options: Mapping[str, Any] | None = None,
     ):
         """``tools``: function definitions the chat template renders into the prompt
-        (``Context.use_tools``); parse the output with ``engine.tool_calls``."""
+        (``Context.use_tools``); parse the output with ``engine.tool_calls``.
+        ``template_options``: keywords for the chat template (``Context.template_options``,
+        e.g. ``enable_thinking``)."""
         for t in turns:
             if t.role not in ROLES:
                 raise InvalidRequestError(f"unknown role {t.role!r}; expected one of {', '.join(ROLES)}")
@@ -117,6 +120,7 @@ class Completion:
             raise InvalidRequestError("a completion needs at least one message")
         self._init(model, tuple(turns), None, params)
         self.tools = list(tools) if tools else None
+        self.template_options = dict(template_options or {})
 
     @classmethod
     def from_prompt(cls, model: Model, prompt: str | Sequence[int], params: CompletionParams) -> Completion:
@@ -140,6 +144,7 @@ class Completion:
         self.model = model
         self.turns = turns
         self.tools: list[Mapping[str, Any]] | None = None
+        self.template_options: dict[str, Any] = {}
         self.prompt = prompt
         """The raw prompt of ``from_prompt`` (text or ids); None for a chat."""
         self.prompt_ids: list[int] = []
@@ -182,6 +187,8 @@ class Completion:
         if self.prompt is not None:
             await self._fill_prompt(root)
             return
+        if self.template_options:
+            root.template_options(**self.template_options)
         if self.tools:
             root.use_tools(self.tools)
         pairs = [(turn.role, parts, turn.extra) for turn, parts in zip(self.turns, prepared, strict=True)]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from engine import sampling, stopping
-from engine.chat import ROLES, ChatState, Message, chat_message, template_pieces
+from engine.chat import RESERVED_TEMPLATE_KEYS, ROLES, ChatState, Message, chat_message, template_pieces
 from engine.drafting import MAX_DRAFT, Drafter, checked_draft
 from engine.errors import ContextClosedError, ContextLengthExceededError, InvalidRequestError
 from engine.forward import LogitsWanted, MediaRows, StepInput
@@ -245,7 +245,25 @@ class Context:
         tool_call_format(self.model)
         if self._chat.messages:
             raise InvalidRequestError("use_tools() comes before the first turn (tools render at its start)")
-        self._chat.tools = [dict(t) for t in tools] or None
+        if tools:
+            self._chat.options["tools"] = [dict(t) for t in tools]
+        else:
+            self._chat.options.pop("tools", None)
+        return self
+
+    def template_options(self, **options: Any) -> Context:
+        """Keywords every render of this conversation passes to the chat template (e.g.
+        ``enable_thinking=True`` for Gemma-4 and Qwen3; vLLM's ``chat_template_kwargs``),
+        over the model's own. Set before the first turn."""
+        reserved = sorted(set(options) & RESERVED_TEMPLATE_KEYS)
+        if reserved:
+            raise InvalidRequestError(
+                f"template option {reserved[0]!r} is set by the engine, not by options",
+                param="chat_template_kwargs",
+            )
+        if self._chat.messages:
+            raise InvalidRequestError("template_options() comes before the first turn")
+        self._chat.options.update(options)
         return self
 
     def turns(
@@ -271,7 +289,7 @@ class Context:
             return self
         self._close_turn()
         chat = self._chat
-        self._fill_template(self.model.chat.turns(chat.messages, messages, chat.tools), media)
+        self._fill_template(self.model.chat.turns(chat.messages, messages, chat.options), media)
         chat.messages.extend(messages)
         return self
 
@@ -279,7 +297,7 @@ class Context:
         """The template's generation prompt (e.g. ``<|im_start|>assistant\\n``)."""
         self._check_open()
         self._close_turn()
-        self._fill_template(self.model.chat.cue(self._chat.messages, self._chat.tools), [])
+        self._fill_template(self.model.chat.cue(self._chat.messages, self._chat.options), [])
         self._chat.open()
         return self
 

@@ -202,7 +202,7 @@ def snapshot(ctx: Context, *, include_kv: bool = False) -> bytes:
             "messages": chat.messages,
             "open_turn": chat.open_turn,
             "turn_tokens": chat.turn_tokens,
-            "tools": chat.tools,
+            "options": chat.options,
         },
         "seed": ctx._seed,
         "rows": len(ctx._rows),
@@ -276,7 +276,7 @@ def resume(model: Model, data: bytes) -> Context:
             list(chat["messages"]),
             bool(chat["open_turn"]),
             [int(t) for t in chat["turn_tokens"]],
-            chat.get("tools"),  # snapshots saved before tools have none
+            dict(chat.get("options") or {}),  # snapshots saved before options have none
         )
         if "generator" in tensors:
             ctx._generator = torch.Generator()

@@ -80,6 +80,10 @@ class SyncContext:
         self.ctx.use_tools(tools)
         return self
 
+    def template_options(self, **options: Any) -> SyncContext:
+        self.ctx.template_options(**options)
+        return self
+
     def turns(self, turns: Any) -> SyncContext:
         self.ctx.turns(turns)
         return self

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.http.schemas import MAX_MESSAGES, InputAudio, JsonSchemaSpec
+from api.http.schemas import MAX_MESSAGES, GrammarFormat, InputAudio, JsonSchemaSpec, RegexFormat
 
 
 class _Lenient(BaseModel):
@@ -89,8 +89,13 @@ class FormatJsonSchema(JsonSchemaSpec):
 
 class TextConfig(_Lenient):
     format: (
-        Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")] | None
+        Annotated[
+            FormatText | FormatJsonObject | FormatJsonSchema | RegexFormat | GrammarFormat,
+            Field(discriminator="type"),
+        ]
+        | None
     ) = None
+    """OpenAI's text / json_object / json_schema, and chat's extensions regex and grammar."""
 
 
 class ResponsesRequest(_Lenient):
@@ -111,6 +116,9 @@ class ResponsesRequest(_Lenient):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
     # extensions, as on chat completions
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, max_length=32, description='extension (vLLM): e.g. {"enable_thinking": true}'
+    )
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -131,6 +139,21 @@ class OutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A thinking model's thoughts (the thought channel), before its message."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["completed"] = "completed"
 
 
 class FunctionCallOutput(BaseModel):
@@ -169,7 +192,7 @@ class ResponseObject(BaseModel):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete"]
     model: str
-    output: list[OutputMessage | FunctionCallOutput]
+    output: list[ReasoningItem | OutputMessage | FunctionCallOutput]
     incomplete_details: IncompleteDetails | None = None
     error: None = None
     instructions: str | None = None

@@ -201,6 +201,11 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """OpenAI's default: "auto" with tools, "none" without."""
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description='extension (vLLM): keywords for the chat template, e.g. {"enable_thinking": true}',
+        max_length=32,
+    )
 
 
 # ------------------------------------------------------------------ chat completions: response
@@ -234,6 +239,8 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """A thinking model's thoughts, split from the answer (vLLM's field)."""
     tool_calls: list[ToolCallOut] | None = None
     """The calls the model made (with ``tools``); left out otherwise."""
 
@@ -276,6 +283,7 @@ class DeltaToolCall(ToolCallOut):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

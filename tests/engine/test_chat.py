@@ -172,8 +172,8 @@ def test_chat_message_and_state():
     assert state.turn_tokens == [5] and fork.turn_tokens == [5, 6, 7]
 
     class Template:
-        def close_turn(self, history, content, raw, tools=None):
-            assert tools is None  # the state's tools (none set here) reach every render
+        def close_turn(self, history, content, raw, options=None):
+            assert options == {}  # the state's template options (none set here) reach every render
             return f"</{content}|{raw}>"
 
     def detokenize(ids, skip_special_tokens=False):

@@ -45,6 +45,7 @@ from engine import (
     CompletionParams,
     InvalidRequestError,
     Turn,
+    reasoning_markers,
 )
 
 router = APIRouter(tags=["chat"])
@@ -70,7 +71,13 @@ async def chat_completions(
     admission = served.admit()
     try:
         turns = await _turns(body.messages, service, set(model.media_kinds))
-        completion = Completion(model, turns, params, tools=tool_use.tools if tool_use else None)
+        completion = Completion(
+            model,
+            turns,
+            params,
+            tools=tool_use.tools if tool_use else None,
+            template_options=body.chat_template_kwargs,
+        )
         started = time.perf_counter()
         if body.stream:
             await completion.start()  # prompt errors become a status, not a broken stream
@@ -110,7 +117,13 @@ async def prepare_chat(body: ChatCompletionRequest, service: Service) -> Prepare
     tool_use = tool_use_of(body, served.model)
     params = _params(body, service, served, tool_use)
     turns = await _turns(body.messages, service, set(served.model.media_kinds))
-    completion = Completion(served.model, turns, params, tools=tool_use.tools if tool_use else None)
+    completion = Completion(
+        served.model,
+        turns,
+        params,
+        tools=tool_use.tools if tool_use else None,
+        template_options=body.chat_template_kwargs,
+    )
     return PreparedChat(served, completion, tool_use)
 
 
@@ -252,22 +265,33 @@ async def _whole(
 ) -> ChatCompletion:
     n = completion.params.n
     texts = [""] * n
+    thoughts = [""] * n
+    markers = reasoning_markers(completion.model)
+    splits = [markers.split() for _ in range(n)] if markers is not None else []
     reasons: list[Any] = [None] * n
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     timing = TokenTiming(service, name, started)
     async for ev in completion:
         timing.token(ev.index)
-        texts[ev.index] += ev.text
+        if splits and not splits[ev.index].passthrough(ev.token):
+            thought, text = splits[ev.index].feed(ev.token, ev.text)
+            thoughts[ev.index] += thought
+            texts[ev.index] += text
+        else:
+            texts[ev.index] += ev.text
         reasons[ev.index] = ev.finish_reason or reasons[ev.index]
         if body.logprobs:
             lps[ev.index].append(_logprobs(service, completion.model, ev))
     timing.done(completion)
     choices = []
     for i in range(n):
-        message, reason = AssistantMessage(content=texts[i]), reasons[i]
+        thought = thoughts[i] or None
+        message, reason = AssistantMessage(content=texts[i], reasoning_content=thought), reasons[i]
         if tool_use is not None and tool_use.parses:
             parsed = tool_use.format.parse(texts[i])
-            message = AssistantMessage(content=parsed.content, tool_calls=ToolUse.calls_out(parsed.calls))
+            message = AssistantMessage(
+                content=parsed.content, reasoning_content=thought, tool_calls=ToolUse.calls_out(parsed.calls)
+            )
             reason = tool_use.finish_reason(reason, parsed.calls)
         choices.append(
             Choice(
@@ -323,32 +347,32 @@ async def _sse(
     parses = tool_use is not None and tool_use.parses
     splitters = [tool_use.format.stream() for _ in range(completion.params.n)] if parses else []
 
-    def tool_event(ev: ChoiceEvent) -> str:
-        """A token of a choice whose text may hold tool calls: the content it releases,
-        and at the end the calls (each whole in one delta)."""
-        assert tool_use is not None
-        split = splitters[ev.index]
-        content, calls = split.feed(ev.text), ()
-        if ev.finish_reason:
-            rest, calls = split.finish()
-            content += rest
-        lp = ChoiceLogprobs(content=[_logprobs(service, completion.model, ev)]) if body.logprobs else None
-        reason = tool_use.finish_reason(ev.finish_reason, calls)
-        if not (content or reason or lp is not None):
-            return ""
-        delta = Delta(content=content or None, tool_calls=ToolUse.deltas(calls) or None)
-        return chunk([ChunkChoice(index=ev.index, delta=delta, finish_reason=reason, logprobs=lp)])
+    markers = reasoning_markers(completion.model)
+    thinking = [markers.split() for _ in range(completion.params.n)] if markers is not None else []
 
     def event(ev: ChoiceEvent) -> str:
-        if splitters:
-            return tool_event(ev)
-        if ev.text and not ev.finish_reason and not body.logprobs:
-            return token_chunk(head, ev.index, ev.text)
+        thought, text = "", ev.text
+        if thinking and not thinking[ev.index].passthrough(ev.token):
+            thought, text = thinking[ev.index].feed(ev.token, ev.text)
+        calls: tuple = ()
+        reason = ev.finish_reason
+        if splitters:  # the answer may hold tool calls: release what cannot begin one
+            assert tool_use is not None
+            split = splitters[ev.index]
+            text = split.feed(text)
+            if ev.finish_reason:
+                rest, calls = split.finish()
+                text += rest
+            reason = tool_use.finish_reason(ev.finish_reason, calls)
+        elif text and not thought and not reason and not body.logprobs:
+            return token_chunk(head, ev.index, text)
         lp = ChoiceLogprobs(content=[_logprobs(service, completion.model, ev)]) if body.logprobs else None
-        if not (ev.text or ev.finish_reason or lp is not None):
+        if not (text or thought or reason or lp is not None):
             return ""  # a token that completed no character yet
-        delta = Delta(content=ev.text or None)
-        return chunk([ChunkChoice(index=ev.index, delta=delta, finish_reason=ev.finish_reason, logprobs=lp)])
+        delta = Delta(
+            content=text or None, reasoning_content=thought or None, tool_calls=ToolUse.deltas(calls) or None
+        )
+        return chunk([ChunkChoice(index=ev.index, delta=delta, finish_reason=reason, logprobs=lp)])
 
     head = chunk_head(cid, created, name)
     timing = TokenTiming(service, name, started)

@@ -33,6 +33,8 @@ from api.http.responses_schemas import (
     MessageItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseDeleted,
     ResponseObject,
     ResponsesRequest,
@@ -41,7 +43,7 @@ from api.http.responses_schemas import (
 from api.http.routes.chat import PreparedChat, prepare_chat
 from api.http.schemas import ChatCompletionRequest
 from api.http.sse import EventStream, Last
-from engine import InvalidRequestError, ToolCall
+from engine import ChoiceEvent, InvalidRequestError, ToolCall, reasoning_markers
 
 router = APIRouter(tags=["responses"])
 ERRORS = Service.error_responses(400, 401, 404, 413, 415, 429)
@@ -151,6 +153,7 @@ def chat_request(
         "min_p": body.min_p,
         "seed": body.seed,
         "parallel_tool_calls": body.parallel_tool_calls,
+        "chat_template_kwargs": body.chat_template_kwargs,
     }
     if body.tools:
         chat["tools"] = [
@@ -168,7 +171,7 @@ def chat_request(
             spec = fmt.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)
             chat["response_format"] = {"type": "json_schema", "json_schema": spec}
         else:
-            chat["response_format"] = {"type": fmt.type}
+            chat["response_format"] = fmt.model_dump()
     if not conversation:
         raise InvalidRequestError("input has no items", param="input")
     try:
@@ -205,7 +208,26 @@ class _Run:
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     created_at: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
+    thoughts: str = ""
     finish_reason: str | None = None
+    reasoning_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+
+    def __post_init__(self) -> None:
+        markers = reasoning_markers(self.chat.completion.model)
+        self.thinking = markers.split() if markers is not None else None
+
+    def take(self, ev: ChoiceEvent) -> str:
+        """One generated token: its thoughts join ``thoughts``; returns its answer text."""
+        piece = ev.text
+        if self.thinking is not None and not self.thinking.passthrough(ev.token):
+            thought, piece = self.thinking.feed(ev.token, ev.text)
+            self.thoughts += thought
+        self.text += piece
+        self.finish_reason = ev.finish_reason or self.finish_reason
+        return piece
+
+    def reasoning_item(self) -> ReasoningItem:
+        return ReasoningItem(id=self.reasoning_id, content=[ReasoningText(text=self.thoughts)])
 
     @property
     def parses(self) -> bool:
@@ -225,6 +247,8 @@ class _Run:
         b = self.body
         output: list[Any] = []
         done = status != "in_progress"
+        if done and self.thoughts:
+            output.append(self.reasoning_item())
         if done and (content or not calls):
             item_status = "incomplete" if status == "incomplete" else "completed"
             output.append(
@@ -291,8 +315,7 @@ class _Run:
 
     async def whole(self) -> ResponseObject:
         async for ev in self.chat.completion:
-            self.text += ev.text
-            self.finish_reason = ev.finish_reason or self.finish_reason
+            self.take(ev)
         answer = self.finished()
         await self.store(answer, *self.split())
         return answer
@@ -317,15 +340,32 @@ class _Events:
 
 
 async def _sse(run: _Run, admission: Any) -> AsyncIterator[str]:
+    """The typed events: the thoughts (if any) as a reasoning item once they end, the
+    message's text as it comes, then each function call whole, then the response."""
     event = _Events()
     splitter = run.chat.tool_use.format.stream() if run.parses and run.chat.tool_use else None
     started = run.response("in_progress").model_dump(mode="json")
     yield event("response.created", response=started) + event("response.in_progress", response=started)
-    message_open = False
+    state = {"reasoning": False, "message": False, "index": 0}
     released = ""
-    where = {"item_id": run.message_id, "output_index": 0, "content_index": 0}
+
+    def where() -> dict[str, Any]:
+        return {"item_id": run.message_id, "output_index": state["index"], "content_index": 0}
+
+    def close_reasoning() -> str:
+        """The reasoning item, once, before anything after the thoughts."""
+        if state["reasoning"] or not run.thoughts:
+            return ""
+        state["reasoning"] = True
+        item = run.reasoning_item().model_dump(mode="json")
+        state["index"] = 1
+        return event("response.output_item.added", output_index=0, item={**item, "content": []}) + event(
+            "response.output_item.done", output_index=0, item=item
+        )
 
     def open_message() -> str:
+        out = close_reasoning()
+        state["message"] = True
         item = {
             "type": "message",
             "id": run.message_id,
@@ -334,71 +374,50 @@ async def _sse(run: _Run, admission: Any) -> AsyncIterator[str]:
             "content": [],
         }
         part = {"type": "output_text", "text": "", "annotations": []}
-        return event("response.output_item.added", output_index=0, item=item) + event(
-            "response.content_part.added", **where, part=part
+        return (
+            out
+            + event("response.output_item.added", output_index=state["index"], item=item)
+            + event("response.content_part.added", **where(), part=part)
         )
 
     try:
         async for group in run.chat.completion.batches():
             out = []
             for ev in group:
-                run.text += ev.text
-                run.finish_reason = ev.finish_reason or run.finish_reason
-                piece = splitter.feed(ev.text) if splitter is not None else ev.text
+                piece = run.take(ev)
+                if splitter is not None:
+                    piece = splitter.feed(piece)
                 if piece:
-                    if not message_open:
+                    if not state["message"]:
                         out.append(open_message())
-                        message_open = True
                     released += piece
-                    out.append(event("response.output_text.delta", **where, delta=piece, logprobs=[]))
+                    out.append(event("response.output_text.delta", **where(), delta=piece, logprobs=[]))
             if out:
                 yield "".join(out)
         content, calls = run.split()
         answer = run.finished()
-        tail = []
+        tail = [close_reasoning()]
         if content or not calls:
-            if not message_open:
+            if not state["message"]:
                 tail.append(open_message())
             rest = (content or "")[len(released) :]
             if rest:
-                tail.append(event("response.output_text.delta", **where, delta=rest, logprobs=[]))
+                tail.append(event("response.output_text.delta", **where(), delta=rest, logprobs=[]))
             text = content or ""
             part = {"type": "output_text", "text": text, "annotations": []}
-            tail.append(event("response.output_text.done", **where, text=text, logprobs=[]))
-            tail.append(event("response.content_part.done", **where, part=part))
-            tail.append(
-                event(
-                    "response.output_item.done", output_index=0, item=answer.output[0].model_dump(mode="json")
-                )
-            )
-        first = 1 if (content or not calls) else 0
+            message = next(o for o in answer.output if o.type == "message").model_dump(mode="json")
+            tail.append(event("response.output_text.done", **where(), text=text, logprobs=[]))
+            tail.append(event("response.content_part.done", **where(), part=part))
+            tail.append(event("response.output_item.done", output_index=state["index"], item=message))
+            state["index"] += 1
         for k, call in enumerate(calls):
             item = _call_item(call).model_dump(mode="json")
-            index = first + k
-            tail.append(
-                event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "arguments": "", "status": "in_progress"},
-                )
-            )
-            tail.append(
-                event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    delta=call.arguments,
-                )
-            )
-            tail.append(
-                event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    arguments=call.arguments,
-                )
-            )
-            tail.append(event("response.output_item.done", output_index=index, item=item))
+            at = {"item_id": item["id"], "output_index": state["index"] + k}
+            opened = {**item, "arguments": "", "status": "in_progress"}
+            tail.append(event("response.output_item.added", output_index=at["output_index"], item=opened))
+            tail.append(event("response.function_call_arguments.delta", **at, delta=call.arguments))
+            tail.append(event("response.function_call_arguments.done", **at, arguments=call.arguments))
+            tail.append(event("response.output_item.done", output_index=at["output_index"], item=item))
         await run.store(answer, content, calls)
         kind = "response.incomplete" if answer.status == "incomplete" else "response.completed"
         tail.append(event(kind, response=answer.model_dump(mode="json")))
@@ -407,9 +426,8 @@ async def _sse(run: _Run, admission: Any) -> AsyncIterator[str]:
         raise
     except Exception as e:  # the status line is gone; tell the client in the stream
         code = getattr(e, "code", "server_error")
-        yield Last(
-            event("error", code=code, message=getattr(e, "message", "internal server error"), param=None)
-        )
+        message = getattr(e, "message", "internal server error")
+        yield Last(event("error", code=code, message=message, param=None))
     finally:
         await run.chat.completion.aclose()
         admission.release()
