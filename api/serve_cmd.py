@@ -157,6 +157,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         '(a request\'s own "speculative" wins; "speculative": null turns it off)',
     )
     sv.add_argument(
+        "--reasoning-parser",
+        choices=["auto", "none"],
+        default=None,
+        help="auto: split every chat answer's thought channel (Gemma-4 <|channel>, Qwen3 <think>) "
+        "into reasoning_content; none (default): only for requests with "
+        'chat_template_kwargs {"enable_thinking": true}',
+    )
+    sv.add_argument(
         "--ray",
         nargs="?",
         const="",
@@ -206,6 +214,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "decoded_media_cache_mib": args.decoded_media_cache_mib,
         "lora_modules": args.lora_modules,
         "speculative_config": args.speculative_config,
+        "reasoning_parser": args.reasoning_parser,
         "inferlet_cache_dir": args.inferlet_cache_dir,
         "max_inferlet_runs": args.max_inferlet_runs,
     }

@@ -10,7 +10,18 @@ from typing import Any
 from api.http.deps import Service
 from api.http.registry import ServedModel
 from api.http.schemas import PromptTokensDetails, ResponseFormat, Usage
-from engine import Completion, CompletionParams, DraftSpec, Grammar, InvalidRequestError, Penalties, Sampler
+from api.http.settings import ServeSettings
+from engine import (
+    Completion,
+    CompletionParams,
+    DraftSpec,
+    Grammar,
+    InvalidRequestError,
+    Penalties,
+    ReasoningMarkers,
+    Sampler,
+    reasoning_markers,
+)
 from media.errors import PieMediaError
 
 
@@ -130,6 +141,17 @@ def grammar_of(fmt: ResponseFormat | None) -> Grammar | None:
         e.details.setdefault("param", "response_format")
         raise
     return grammar
+
+
+def reasoning_of(
+    settings: ServeSettings, model: Any, template_kwargs: dict[str, Any] | None
+) -> ReasoningMarkers | None:
+    """The thought markers to split a chat answer by: with ``--reasoning-parser auto``
+    always, else only when the request turns thinking on (``enable_thinking``); None when
+    the model's family has none."""
+    if settings.reasoning_parser == "auto" or (template_kwargs or {}).get("enable_thinking"):
+        return reasoning_markers(model)
+    return None
 
 
 def usage_of(completion: Completion) -> Usage:

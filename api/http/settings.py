@@ -163,6 +163,11 @@ class ServeSettings(BaseSettings):
     (``parse_speculative_config``: vLLM's JSON shape, prompt lookup); a request turns it
     off with ``"speculative": null``."""
 
+    reasoning_parser: Literal["auto", "none"] = "none"
+    """``auto``: every chat answer's thought channel (the model family's markers,
+    ``engine.reasoning``) comes back as ``reasoning_content``; ``none``: only for requests
+    that turn thinking on (``chat_template_kwargs.enable_thinking``). vLLM's flag."""
+
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _speculative(cls, v: object) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
 from api.http.errors import ServiceError
-from api.http.generation import TokenTiming, completion_params, usage_of
+from api.http.generation import TokenTiming, completion_params, reasoning_of, usage_of
 from api.http.registry import ServedModel
 from api.http.schemas import (
     AssistantMessage,
@@ -44,8 +44,8 @@ from engine import (
     Completion,
     CompletionParams,
     InvalidRequestError,
+    ReasoningMarkers,
     Turn,
-    reasoning_markers,
 )
 
 router = APIRouter(tags=["chat"])
@@ -68,6 +68,7 @@ async def chat_completions(
     model = served.model
     tool_use = tool_use_of(body, model)
     params = _params(body, service, served, tool_use)
+    reasoning = reasoning_of(service.settings, model, body.chat_template_kwargs)
     admission = served.admit()
     try:
         turns = await _turns(body.messages, service, set(model.media_kinds))
@@ -82,12 +83,12 @@ async def chat_completions(
         if body.stream:
             await completion.start()  # prompt errors become a status, not a broken stream
             return EventStream(
-                _sse(completion, body, served.name, service, started, admission, tool_use),
+                _sse(completion, body, served.name, service, started, admission, tool_use, reasoning),
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
             answer = await cancel_on_disconnect(
-                request, _whole(completion, body, served.name, service, started, tool_use)
+                request, _whole(completion, body, served.name, service, started, tool_use, reasoning)
             )
             # Serialized once, in pydantic's core: handing FastAPI the model would validate it
             # again against the response model and encode it twice more (the OpenAPI schema
@@ -108,6 +109,8 @@ class PreparedChat:
     served: ServedModel
     completion: Completion
     tool_use: ToolUse | None
+    reasoning: ReasoningMarkers | None
+    """The thought markers the answer is split by (None: all of it is the answer)."""
 
 
 async def prepare_chat(body: ChatCompletionRequest, service: Service) -> PreparedChat:
@@ -124,7 +127,9 @@ async def prepare_chat(body: ChatCompletionRequest, service: Service) -> Prepare
         tools=tool_use.tools if tool_use else None,
         template_options=body.chat_template_kwargs,
     )
-    return PreparedChat(served, completion, tool_use)
+    return PreparedChat(
+        served, completion, tool_use, reasoning_of(service.settings, served.model, body.chat_template_kwargs)
+    )
 
 
 async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCompletion:
@@ -134,7 +139,13 @@ async def complete_chat(body: ChatCompletionRequest, service: Service) -> ChatCo
     chat = await prepare_chat(body, service)
     try:
         return await _whole(
-            chat.completion, body, chat.served.name, service, time.perf_counter(), chat.tool_use
+            chat.completion,
+            body,
+            chat.served.name,
+            service,
+            time.perf_counter(),
+            chat.tool_use,
+            chat.reasoning,
         )
     finally:
         await chat.completion.aclose()
@@ -262,11 +273,11 @@ async def _whole(
     service: Service,
     started: float,
     tool_use: ToolUse | None = None,
+    markers: ReasoningMarkers | None = None,
 ) -> ChatCompletion:
     n = completion.params.n
     texts = [""] * n
     thoughts = [""] * n
-    markers = reasoning_markers(completion.model)
     splits = [markers.split() for _ in range(n)] if markers is not None else []
     reasons: list[Any] = [None] * n
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
@@ -331,6 +342,7 @@ async def _sse(
     started: float,
     admission: Any,
     tool_use: ToolUse | None = None,
+    markers: ReasoningMarkers | None = None,
 ) -> AsyncIterator[str]:
     """The stream's SSE events, one item per write: the role chunks go out with the first
     tokens (the headers are already out by then), each group of tokens produced together
@@ -347,7 +359,6 @@ async def _sse(
     parses = tool_use is not None and tool_use.parses
     splitters = [tool_use.format.stream() for _ in range(completion.params.n)] if parses else []
 
-    markers = reasoning_markers(completion.model)
     thinking = [markers.split() for _ in range(completion.params.n)] if markers is not None else []
 
     def event(ev: ChoiceEvent) -> str:

@@ -43,7 +43,7 @@ from api.http.responses_schemas import (
 from api.http.routes.chat import PreparedChat, prepare_chat
 from api.http.schemas import ChatCompletionRequest
 from api.http.sse import EventStream, Last
-from engine import ChoiceEvent, InvalidRequestError, ToolCall, reasoning_markers
+from engine import ChoiceEvent, InvalidRequestError, ToolCall
 
 router = APIRouter(tags=["responses"])
 ERRORS = Service.error_responses(400, 401, 404, 413, 415, 429)
@@ -213,7 +213,7 @@ class _Run:
     reasoning_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
 
     def __post_init__(self) -> None:
-        markers = reasoning_markers(self.chat.completion.model)
+        markers = self.chat.reasoning
         self.thinking = markers.split() if markers is not None else None
 
     def take(self, ev: ChoiceEvent) -> str:

@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 
 from tests.api.http.conftest import Server
 
 GEMMA = "tiny-gemma4"
+
+
+@pytest.fixture(scope="module")
+def local_models():
+    from api.model_ref import load_model
+
+    return load_model("tiny-gemma4", device="cpu"), load_model("tiny", device="cpu")
+
+
 THINK_THEN_ANSWER = 'start: <|channel> "thought\\n" /[a-z]{4,8}/ <channel|> /[a-z]{3,6}/'
 
 
@@ -82,3 +92,30 @@ def test_a_responses_answer_carries_its_thoughts_as_a_reasoning_item(client: ope
     assert done[0].item.content[0].text == thought
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == r.output_text and events[-1].response.output_text == r.output_text
+
+
+def test_without_thinking_asked_for_the_channel_stays_in_the_answer(client: openai.OpenAI) -> None:
+    """As vLLM without --reasoning-parser: nothing is split unless thinking is on."""
+    r = client.chat.completions.create(
+        model=GEMMA,
+        messages=[{"role": "user", "content": "Answer."}],
+        max_tokens=40,
+        temperature=0,
+        extra_body={"response_format": {"type": "grammar", "grammar": THINK_THEN_ANSWER}},
+    )
+    message = r.choices[0].message
+    assert message.model_extra.get("reasoning_content") is None
+    assert message.content.startswith("thought\n")  # the markers are special tokens: no text
+
+
+def test_the_server_flag_splits_every_answer(local_models) -> None:
+    from api.http.generation import reasoning_of
+    from api.http.settings import ServeSettings
+
+    gemma, qwen = local_models
+    auto, default = ServeSettings(reasoning_parser="auto"), ServeSettings()
+    assert reasoning_of(auto, gemma, None).format.name == "gemma4"
+    assert reasoning_of(auto, qwen, None).format.name == "qwen3"
+    assert reasoning_of(default, gemma, None) is None
+    assert reasoning_of(default, gemma, {"enable_thinking": True}) is not None
+    assert reasoning_of(default, gemma, {"enable_thinking": False}) is None

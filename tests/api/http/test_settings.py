@@ -79,6 +79,7 @@ def test_cache_budgets_reach_each_models_encoder(samples) -> None:
         {"prepared_cache_mib": -1},
         {"decoded_media_cache_mib": -1},
         {"max_model_len": 0},
+        {"reasoning_parser": "deepseek"},
     ],
 )
 def test_bad_values_are_refused(bad: dict) -> None:
