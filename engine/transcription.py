@@ -185,7 +185,8 @@ class Transcription:
                 )
                 self._segments.append(segment)
                 at = end
-                yield TranscriptEvent(join.end_piece(), segment)
+                join.end_piece()
+                yield TranscriptEvent("", segment)
             self._events_done = True
         finally:
             for task in pumps:
@@ -232,9 +233,9 @@ class _Joiner:
         self.started = self.any = True
         return out
 
-    def end_piece(self) -> str:
+    def end_piece(self) -> None:
+        """The piece ended: its trailing whitespace is dropped."""
         self.held = ""
-        return ""
 
 
 async def transcribe_async(model: Model, audio: Any, **kwargs: Any) -> Transcript:

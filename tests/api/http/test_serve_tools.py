@@ -14,37 +14,10 @@ import openai
 import pytest
 
 from tests.api.http.conftest import Server
+from tests.tool_definitions import TIME, WEATHER
 
 QWEN = "tiny-qwen3-vl"
 GEMMA = "tiny-gemma4"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "days": {"type": "integer", "minimum": 0, "maximum": 14},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
