@@ -3,9 +3,9 @@ chat template), with vLLM's extensions as on chat completions."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from api.http.schemas import GenerationRequest, Usage
 
@@ -21,6 +21,21 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 
 class CompletionRequest(GenerationRequest):
     prompt: Prompt = Field(description="text, token ids, or a list of either (up to 64 prompts)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_shape(cls, v: Any) -> Any:
+        """One of the four shapes, said plainly (pydantic's union error names each member)."""
+        if isinstance(v, str) or not isinstance(v, list):
+            return v
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in v):
+            return v
+        if all(isinstance(p, str) for p in v) or all(isinstance(p, list) for p in v):
+            return v
+        raise ValueError(
+            "prompt is text, a list of token ids, or a list of prompts that are all texts or all "
+            "token-id lists (not mixed)"
+        )
     max_tokens: int | None = Field(
         default=None,
         ge=0,

@@ -137,6 +137,7 @@ def test_raw_sse_shape(server: Server) -> None:
         ({"prompt": ""}, "prompt is empty"),
         ({"prompt": [5, 10**9]}, "outside the vocabulary"),
         ({"prompt": ["x"] * 65}, "up to 64"),
+        ({"prompt": ["x", [5, 6]]}, "not mixed"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "max_tokens": 0}, "needs echo"),
