@@ -36,6 +36,7 @@ class CompletionRequest(GenerationRequest):
             "prompt is text, a list of token ids, or a list of prompts that are all texts or all "
             "token-id lists (not mixed)"
         )
+
     max_tokens: int | None = Field(
         default=None,
         ge=0,
