@@ -98,6 +98,12 @@ class TextConfig(_Lenient):
     """OpenAI's text / json_object / json_schema, and chat's extensions regex and grammar."""
 
 
+class ReasoningConfig(_Lenient):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None
+    """Accepted; thoughts come back whole (a ``reasoning`` item), not summarised."""
+
+
 class ResponsesRequest(_Lenient):
     model: str
     input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
@@ -110,6 +116,9 @@ class ResponsesRequest(_Lenient):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    """An effort other than none / minimal turns the template's thinking on
+    (``enable_thinking``) unless ``chat_template_kwargs`` says otherwise."""
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None

@@ -153,7 +153,7 @@ def chat_request(
         "min_p": body.min_p,
         "seed": body.seed,
         "parallel_tool_calls": body.parallel_tool_calls,
-        "chat_template_kwargs": body.chat_template_kwargs,
+        "chat_template_kwargs": _template_kwargs(body),
     }
     if body.tools:
         chat["tools"] = [
@@ -180,6 +180,15 @@ def chat_request(
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise InvalidRequestError(f"{where}: {first['msg']}", param="input") from None
+
+
+def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
+    """The request's template keywords, with ``reasoning.effort`` as ``enable_thinking``."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    if effort is not None and "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = effort not in ("none", "minimal")
+    return kwargs or None
 
 
 def _content(content: Any) -> Any:

@@ -76,10 +76,8 @@ def test_a_responses_answer_carries_its_thoughts_as_a_reasoning_item(client: ope
         max_output_tokens=40,
         temperature=0,
         store=False,
-        extra_body={
-            "chat_template_kwargs": {"enable_thinking": True},
-            "text": {"format": {"type": "grammar", "grammar": THINK_THEN_ANSWER}},
-        },
+        reasoning={"effort": "medium"},  # turns the template's thinking on
+        extra_body={"text": {"format": {"type": "grammar", "grammar": THINK_THEN_ANSWER}}},
     )
     r = client.responses.create(**kw)
     kinds = [o.type for o in r.output]
