@@ -32,7 +32,7 @@ from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
 from api.http.generation import TokenTiming, completion_params
 from api.http.registry import ServedModel
-from api.http.schemas import Usage
+from api.http.schemas import PromptTokensDetails, Usage
 from api.http.sse import EventStream, Last, error_event
 from engine import ChoiceEvent, Completion, CompletionParams, InvalidRequestError
 
@@ -202,7 +202,10 @@ class _Formatter:
 def _usage(runs: list[Completion]) -> Usage:
     prompt = sum(c.prompt_tokens for c in runs)
     done = sum(sum(c.completion_tokens) for c in runs)
-    return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+    cached = PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in runs))
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done, prompt_tokens_details=cached
+    )
 
 
 async def _whole(

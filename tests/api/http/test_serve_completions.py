@@ -52,6 +52,11 @@ def test_greedy_completion_equals_the_engine(client: openai.OpenAI, local, model
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want[0], want[2])
     assert r.usage.prompt_tokens == c.prompt_tokens and r.usage.completion_tokens == len(want[1])
+    again = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert again.choices[0].text == want[0]
+    assert (
+        0 < again.usage.prompt_tokens_details.cached_tokens <= again.usage.prompt_tokens
+    )  # the prefix cache
 
 
 def test_streamed_seeded_choices_equal_the_whole_answer(client: openai.OpenAI, local) -> None:
