@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.http.deps import Service
 from api.http.errors import install_error_handlers
 from api.http.files_store import FileStore
-from api.http.index_db import open_index
+from api.http.index_open import open_index
 from api.http.inferlet_runs import RunTable
 from api.http.inferlets_store import InferletStore
 from api.http.job_runner import JobRunner

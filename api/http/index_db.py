@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+from api.http.sql_dialect import fill_words
+
 
 class Rows(Protocol):
     """What a statement gives back (a DB-API cursor)."""
@@ -149,20 +151,3 @@ class SqliteIndex:
             conn, self._conn = self._conn, None
             if conn is not None:
                 conn.close()
-
-
-def open_index(state_db: str | None, sqlite_path: Path, *, shared: bool = False) -> IndexDB:
-    """The index a store uses: PostgreSQL when ``state_db`` names one, else SQLite at
-    ``sqlite_path`` (``shared``: by several processes of this machine)."""
-    if state_db:
-        from api.http.index_postgres import PostgresIndex
-
-        return PostgresIndex(state_db)
-    return SqliteIndex(sqlite_path, shared=shared)
-
-
-def fill_words(schema: str, words: dict[str, str]) -> str:
-    """``{REAL}`` / ``{SERIAL}`` in a schema -> this dialect's words."""
-    for word, text in words.items():
-        schema = schema.replace("{" + word + "}", text)
-    return schema

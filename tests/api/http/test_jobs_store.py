@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from api.http.files_store import FileStore
-from api.http.index_db import open_index
+from api.http.index_open import open_index
 from api.http.jobs_store import JobStore
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from api.http.index_db import open_index
+from api.http.index_open import open_index
 from api.http.store import MediaNotFoundError, MediaRecord, MediaStore, is_media_id
 from media.errors import InvalidRequestError, PieMediaError
 
