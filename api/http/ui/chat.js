@@ -93,6 +93,27 @@ function bubble(role, text, names = []) {
   return body;
 }
 
+/** A model's text as shown: without the newlines and spaces it may open with (a thinking
+ * template's "\n\n" after its thought block, a random model's "\n\n\n"), which pre-wrap
+ * would draw as a blank band above the first line. The history keeps the text as it came. */
+function shown(text, done = false) {
+  const start = text.replace(/^\s+/, "");
+  return done ? start.replace(/\s+$/, "") : start;
+}
+
+/** The answer's thought channel (reasoning_content), folded above the answer; only made
+ * once a thought has some text, so an empty one leaves no box behind. */
+function showThought(out, thought) {
+  const text = shown(thought);
+  if (!text) return;
+  let box = out.parentElement.querySelector(".reasoning");
+  if (!box) {
+    box = el("details", { class: "reasoning" }, el("summary", { text: "reasoning" }), el("div", { class: "text" }));
+    out.before(box);
+  }
+  box.querySelector(".text").textContent = text;
+}
+
 function request(messages) {
   const body = {
     model: $("chat-model").value,
@@ -129,7 +150,9 @@ async function send(e) {
   $("chat-send").disabled = true;
   $("chat-stop").disabled = false;
   let answer = "";
+  let thought = "";
   let stopped = false;
+  let failed = false;
   try {
     const r = await api("/v1/chat/completions", { method: "POST", json: request([...history, user]), signal: running.signal });
     for await (const { data } of sse(r)) {
@@ -137,17 +160,28 @@ async function send(e) {
       const chunk = JSON.parse(data);
       const err = messageOf(chunk);
       if (err) throw new ApiError(200, err.message, err.code);
-      for (const c of chunk.choices || []) answer += c.delta?.content || "";
-      out.textContent = answer;
+      for (const c of chunk.choices || []) {
+        answer += c.delta?.content || "";
+        thought += c.delta?.reasoning_content || "";
+      }
+      showThought(out, thought);
+      out.textContent = shown(answer);
     }
   } catch (err) {
     if (err.name === "AbortError") stopped = true;
-    else showError($("chat-error"), err);
+    else {
+      failed = true;
+      showError($("chat-error"), err);
+    }
   } finally {
     out.classList.remove("streaming");
-    if (stopped) out.append(el("span", { class: "muted", text: " [stopped]" }));
-    out.parentElement.dataset.done = stopped ? "stopped" : "done";
-    history.push(user, { role: "assistant", content: answer });
+    out.textContent = shown(answer, true);
+    const gap = out.textContent ? " " : "";
+    if (stopped) out.append(el("span", { class: "muted", text: `${gap}[stopped]` }));
+    if (failed) out.append(el("span", { class: "muted", text: `${gap}[not answered: see the error below; this turn is left out of the chat]` }));
+    out.parentElement.dataset.done = stopped ? "stopped" : failed ? "failed" : "done";
+    // a refused turn stays on screen but not in the history: later turns would repeat it
+    if (!failed) history.push(user, { role: "assistant", content: answer });
     running = null;
     $("chat-send").disabled = false;
     $("chat-stop").disabled = true;

@@ -76,6 +76,29 @@ def ask(page, text: str, *, wait: str = "done") -> str:
     return answer.locator(".text").inner_text()
 
 
+FIRST_LINE_GAP = """(node) => {
+    // px between the bubble's role label and the top of its first visible character
+    const who = node.querySelector(".who").getBoundingClientRect();
+    const walker = document.createTreeWalker(node.querySelector(":scope > .text"), NodeFilter.SHOW_TEXT);
+    for (let t = walker.nextNode(); t; t = walker.nextNode()) {
+        const i = t.data.search(/\\S/);
+        if (i < 0) continue;
+        const r = document.createRange();
+        r.setStart(t, i);
+        r.setEnd(t, i + 1);
+        return r.getBoundingClientRect().top - who.bottom;
+    }
+    return null;
+}"""
+
+
+def first_line_gap(bubble) -> float:
+    """How far below its role label a bubble's text begins (a blank band shows as tens of px)."""
+    gap = bubble.evaluate(FIRST_LINE_GAP)
+    assert gap is not None, "the bubble shows no text"
+    return gap
+
+
 def api_chat(ui: UiServer, messages: list[dict], max_tokens: int) -> str:
     r = httpx.post(
         f"{ui.url}/v1/chat/completions",
@@ -125,13 +148,20 @@ def test_dropped_png_answer_equals_the_api_and_turns_continue(page, ui_server: U
             {"type": "text", "text": "What is in this picture?"},
         ],
     }
-    assert first == api_chat(ui_server, [turn1], 16)
+    raw = api_chat(ui_server, [turn1], 16)
+    # the bubble shows the API's answer without the newlines it opens with (the tiny model's
+    # answer starts with "\n\n\n"), so its first line sits right under the role label
+    assert raw != raw.lstrip() and first == raw.strip()
     assert first  # the tiny model says something
+    bubble = page.locator(".msg.assistant").first
+    assert 0 <= first_line_gap(bubble) < 8
     second = ask(page, "And the colours?")
-    history = [turn1, {"role": "assistant", "content": first}]
-    assert second == api_chat(
+    history = [turn1, {"role": "assistant", "content": raw}]  # the page sends the text as it came
+    raw2 = api_chat(
         ui_server, [*history, {"role": "user", "content": [{"type": "text", "text": "And the colours?"}]}], 16
     )
+    assert second == raw2.strip()
+    assert 0 <= first_line_gap(page.locator(".msg.assistant").nth(1)) < 8
 
     # a file the server refuses shows the server's own typed message
     big = samples / "images" / "photo_4032x3024.jpg"
