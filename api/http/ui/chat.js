@@ -3,7 +3,8 @@ import { ApiError, api, messageOf, sse } from "./api.js";
 import { $, dropZone, el, fillSelect, fmtBytes, showError } from "./ui.js";
 
 let history = []; // OpenAI messages of this conversation
-let attachments = []; // {file, kind, media?, error?, data?}
+let attachments = []; // {file, url, media?, error?, data?}
+let shownUrls = []; // object URLs of the media in this conversation's bubbles
 let running = null; // AbortController of the streaming answer
 let models = [];
 
@@ -37,18 +38,20 @@ function renderAttachments() {
     ...attachments.map((a, i) => {
       const remove = el("button", { type: "button", "aria-label": `remove ${a.file.name}`, text: "×" });
       remove.addEventListener("click", () => {
+        URL.revokeObjectURL(a.url);
         attachments.splice(i, 1);
         renderAttachments();
       });
       const text = a.error ? a.error.message : a.media ? facts(a) : "uploading…";
-      return el("li", { class: a.error ? "bad" : "" }, el("strong", { text: a.file.name }), " ", el("span", { class: "facts", text }), " ", remove);
+      const thumb = kindOf(a) === "image" && !a.error ? [el("img", { class: "thumb", src: a.url, alt: "" }), " "] : [];
+      return el("li", { class: a.error ? "bad" : "" }, ...thumb, el("strong", { text: a.file.name }), " ", el("span", { class: "facts", text }), " ", remove);
     }),
   );
 }
 
 async function upload(files) {
   for (const file of files) {
-    const a = { file };
+    const a = { file, url: URL.createObjectURL(file) };
     attachments.push(a);
     renderAttachments();
     const form = new FormData();
@@ -81,13 +84,35 @@ function part(a) {
   return { type: "input_audio", input_audio: { data: a.data, format } };
 }
 
-function bubble(role, text, names = []) {
+/** image, audio or video: by the file's own type (an animated GIF shows as an <img>, an
+ * mp4 with sound as a <video>), else by what the server found in it. */
+function kindOf(a) {
+  const type = a.file.type.split("/")[0];
+  return ["image", "audio", "video"].includes(type) ? type : a.media?.kind || "image";
+}
+
+/** A sent attachment as the user's bubble shows it: the local file itself through an object
+ * URL (the API keeps no copy to serve back), a thumbnail or a player, with its name. */
+function preview(a) {
+  const kind = kindOf(a);
+  const view =
+    kind === "image"
+      ? el("img", { src: a.url, alt: a.file.name })
+      : el(kind, { src: a.url, controls: "", preload: "metadata" });
+  const figure = el("figure", { class: `attached ${kind}` }, view, el("figcaption", { text: a.file.name }));
+  view.addEventListener("error", () =>
+    view.replaceWith(el("span", { class: "nopreview", text: `${kind}: no preview in this browser` })),
+  );
+  return figure;
+}
+
+function bubble(role, text, sent = []) {
   const log = $("chat-log");
   log.querySelector(".empty")?.remove();
   const body = el("div", { class: "text", text });
   const node = el("div", { class: `msg ${role}` }, el("div", { class: "who", text: role }));
-  if (names.length) node.append(el("div", { class: "facts", text: `attached: ${names.join(", ")}` }));
-  node.append(body);
+  if (sent.length) node.append(el("div", { class: "media" }, ...sent.map(preview)));
+  if (text || role !== "user") node.append(body);
   log.append(node);
   log.scrollTop = log.scrollHeight;
   return body;
@@ -140,10 +165,12 @@ async function send(e) {
   }
   const content = [...ready.map(part), ...(text ? [{ type: "text", text }] : [])];
   const user = { role: "user", content };
-  bubble("user", text, ready.map((a) => a.file.name));
+  bubble("user", text, ready);
   const out = bubble("assistant", "");
   out.classList.add("streaming");
   $("chat-input").value = "";
+  shownUrls.push(...ready.map((a) => a.url));
+  for (const a of attachments) if (!ready.includes(a)) URL.revokeObjectURL(a.url);
   attachments = [];
   renderAttachments();
   running = new AbortController();
@@ -205,6 +232,8 @@ export function init() {
   $("chat-clear").addEventListener("click", () => {
     running?.abort();
     history = [];
+    for (const url of shownUrls) URL.revokeObjectURL(url);
+    shownUrls = [];
     $("chat-log").replaceChildren(el("p", { class: "empty", text: "New conversation." }));
   });
 }

@@ -99,6 +99,30 @@ def first_line_gap(bubble) -> float:
     return gap
 
 
+def shown_image(img) -> tuple[int, int]:
+    """An <img>'s decoded size, after checking it loaded and takes room on the page."""
+    img.scroll_into_view_if_needed()
+    deadline = time.monotonic() + 10
+    while not img.evaluate("(i) => i.complete"):
+        assert time.monotonic() < deadline, "the image never finished loading"
+        time.sleep(0.05)
+    info = img.evaluate(
+        "(i) => ({done: i.complete, w: i.naturalWidth, h: i.naturalHeight, box: i.getBoundingClientRect().width, src: i.src})"
+    )
+    assert info["done"] and info["box"] > 0 and info["src"].startswith("blob:"), info
+    return info["w"], info["h"]
+
+
+def player(page, selector: str, timeout: float = 20) -> float:
+    """The duration an <audio>/<video> in the chat found in the local file (its metadata loaded)."""
+    until(
+        page,
+        f"(() => {{ const m = document.querySelector({selector!r}); return !!m && m.readyState >= 1 && isFinite(m.duration); }})()",
+        timeout,
+    )
+    return page.evaluate(f"document.querySelector({selector!r}).duration")
+
+
 def api_chat(ui: UiServer, messages: list[dict], max_tokens: int) -> str:
     r = httpx.post(
         f"{ui.url}/v1/chat/completions",
@@ -155,6 +179,9 @@ def test_dropped_png_answer_equals_the_api_and_turns_continue(page, ui_server: U
     assert first  # the tiny model says something
     bubble = page.locator(".msg.assistant").first
     assert 0 <= first_line_gap(bubble) < 8
+    thumbnail = page.locator(".msg.user").first.locator("figure.attached img")
+    assert shown_image(thumbnail) == (96, 48)  # the photo itself, decoded, on screen
+    assert thumbnail.get_attribute("alt") == png.name
     second = ask(page, "And the colours?")
     history = [turn1, {"role": "assistant", "content": raw}]  # the page sends the text as it came
     raw2 = api_chat(
@@ -162,6 +189,8 @@ def test_dropped_png_answer_equals_the_api_and_turns_continue(page, ui_server: U
     )
     assert second == raw2.strip()
     assert 0 <= first_line_gap(page.locator(".msg.assistant").nth(1)) < 8
+    assert page.locator(".msg.user img").count() == 1  # the later turn carries no media
+    assert shown_image(thumbnail) == (96, 48)  # and the first turn's thumbnail is still there
 
     # a file the server refuses shows the server's own typed message
     big = samples / "images" / "photo_4032x3024.jpg"
@@ -190,6 +219,37 @@ def test_stop_cancels_the_request_and_its_pages_come_back(page, ui_server: UiSer
         time.sleep(0.1)
     assert metric(ui_server, "pie_media_requests_in_flight", model=QWEN) == 0
     sampling(page, max_tokens=16, ignore_eos=False)
+
+
+def test_clips_show_players_in_the_history(page, samples: Path, shot) -> None:
+    """A video and an audio clip sent in the chat stay in their bubbles as players of the
+    local file; a turn the model refuses (this model takes no audio) stays on screen but out
+    of the history, so the next turn is answered."""
+    page.click("#tab-chat")
+    page.click("#chat-clear")
+    clip = samples / "video" / "vp9_320x240_25fps_2s.webm"
+    page.set_input_files("#chat-files", str(clip))
+    page.wait_for_selector(f"#chat-attachments li:has-text('tokens for {QWEN}')")
+    ask(page, "What happens in this clip?")
+    video = ".msg.user figure.attached video"
+    assert page.locator(video).count() == 1
+    assert player(page, video) == pytest.approx(2.0, abs=0.1)
+    assert page.get_attribute(video, "src").startswith("blob:")
+
+    tone = samples / "audio" / "tone_16k_mono.wav"
+    page.set_input_files("#chat-files", str(tone))
+    page.wait_for_selector(f"#chat-attachments li:has-text('{QWEN} cannot take audio')")
+    ask(page, "What is this sound?", wait="failed")
+    err = page.inner_text("#chat-error")
+    assert "400" in err and "audio" in err, err
+    audio = ".msg.user figure.attached audio"
+    assert player(page, audio) == pytest.approx(2.0, abs=0.05)  # 64,000 bytes of 16 kHz 16-bit mono
+
+    assert ask(page, "Say something.")  # answered: the refused audio turn is not resent
+    assert page.is_hidden("#chat-error")
+    assert player(page, video) == pytest.approx(2.0, abs=0.1)  # the players are still there
+    assert page.locator(".msg.user figure.attached").count() == 2
+    shot(page, "chat-clips")
 
 
 def test_spoken_clip_plays_and_errors_are_the_servers(page, ui_server: UiServer, shot) -> None:
