@@ -7,14 +7,15 @@ model servers):
   (``api.http.app.create_app``), runs its lifespan once (the models load once per
   replica) and serves whole HTTP requests handed to it as (ASGI scope, body), streaming
   the ASGI messages back. Its answers carry ``x-pie-media-replica``.
-- :class:`Gateway` (the HTTP ingress, cheap): reads a request's body, computes its
-  affinity key (:func:`affinity_key`: a hash of the model and the first content parts,
-  e.g. the system prompt and the first image) and passes it on. Routing is
-  :class:`PrefixAffinityRouter`: requests with a key go to the replica the key hashes to
-  (rendezvous hashing, so a replica joining or dying moves only its own share) unless
-  that replica has ``imbalance`` more requests in flight than the least loaded one;
-  requests without a key, and overloaded ones, get Ray Serve's default power-of-two-
-  choices routing (the less loaded of two random replicas).
+- :class:`Gateway` (the HTTP ingress, cheap): reads a request's body, takes its routing
+  text (:func:`routing_text`: the model and the messages in order, media parts as
+  digests) and passes it on. Routing is :class:`PrefixAffinityRouter`, cache-aware as
+  SGLang's router is (:mod:`api.prefix_router`): a request goes to the replica that was
+  already sent the longest prefix of its text, if that covers at least half of it and the
+  replica has at most ``imbalance`` more requests in flight than the least loaded one;
+  otherwise to the least loaded replica. So chats that share only a long system prompt
+  meet on one replica, whose prefix cache computes it once. Requests without routing
+  text get Ray Serve's default power-of-two-choices routing.
 
 State is shared through the store (``--state-db postgresql://...`` and a state folder all
 replicas see; without ``--state-db`` the SQLite files in the state folder are shared by
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from api.http.settings import ServeSettings
+from api.prefix_router import PrefixRouter
 from media.errors import PieMediaError
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -56,9 +58,9 @@ from ray.serve.request_router import PendingRequest, RunningReplica  # noqa: E40
 log = logging.getLogger("pie_media.serve_ray")
 
 REPLICA_HEADER = "x-pie-media-replica"
-AFFINITY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-AFFINITY_PARTS = 2
-"""How many leading content parts name a request's prefix (system prompt + first media)."""
+PREFIX_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+ROUTING_CHARS = 16_384
+"""At most this many leading characters of a request's routing text reach the router."""
 RETRIES = 2
 """A request whose replica died before answering is sent again this many times."""
 
@@ -69,29 +71,47 @@ class ReplicaFailedError(PieMediaError):
     code = "replica_failed"
 
 
-def _parts(message: dict[str, Any]) -> list[str]:
+_MEDIA_KEYS = ("image_url", "input_audio", "video_url", "audio_url")
+
+
+def _render_parts(message: dict[str, Any]) -> str:
+    """A message's content as routing text: its text parts as they are, each media part as
+    ``\x01kind:sha256\x01`` (of its URL, ``pie-media://`` id or data: URL), so one image
+    matches itself without its base64 filling the router's trees."""
     content = message.get("content")
     if isinstance(content, str):
-        return [content]
+        return content
     out = []
     for part in content if isinstance(content, list) else []:
         if not isinstance(part, dict):
             continue
-        for key in ("text", "image_url", "input_audio", "video_url", "audio_url"):
-            value = part.get(key)
+        if isinstance(part.get("text"), str):
+            out.append(part["text"])
+            continue
+        for kind in _MEDIA_KEYS:
+            value = part.get(kind)
             if isinstance(value, dict):
                 value = value.get("url") or value.get("data")
             if isinstance(value, str):
-                out.append(value)
+                out.append(f"\x01{kind}:{hashlib.sha256(value.encode()).hexdigest()}\x01")
                 break
-    return out
+    return "".join(out)
 
 
-def affinity_key(path: str, body: bytes, parts: int = AFFINITY_PARTS) -> str | None:
-    """The prefix a request's KV pages start with, hashed: the model and the first ``parts``
-    content parts of its messages (a system prompt, an image URL or ``pie-media://`` id, a
-    data: URL's bytes); None for other routes and bodies that are not a chat request."""
-    if path not in AFFINITY_PATHS:
+def _render_messages(messages: list[Any]) -> str:
+    return "".join(
+        f"\0{m.get('role')}:{_render_parts(m)}" for m in messages if isinstance(m, dict) and "content" in m
+    )
+
+
+def routing_text(path: str, body: bytes, limit: int = ROUTING_CHARS) -> str | None:
+    """What a request's KV pages start with, as text the prefix router matches: the model,
+    then the messages in order (role and content, media parts as digests), at most
+    ``limit`` characters. For ``/v1/completions`` the prompt; for ``/v1/responses`` the
+    instructions, then the input unless the request continues a stored conversation
+    (whose start the router cannot see). None for other routes and bodies that are not
+    such a request: those go to Ray Serve's power-of-two-choices."""
+    if path not in PREFIX_PATHS:
         return None
     try:
         req = json.loads(body)
@@ -99,62 +119,69 @@ def affinity_key(path: str, body: bytes, parts: int = AFFINITY_PARTS) -> str | N
         return None
     if not isinstance(req, dict):
         return None
-    head: list[str] = []
+    text = ""
     if isinstance(req.get("messages"), list):
-        for message in req["messages"]:
-            if isinstance(message, dict):
-                head += [f"{message.get('role')}:{p}" for p in _parts(message)]
-            if len(head) >= parts:
-                break
+        text = _render_messages(req["messages"])
     elif isinstance(req.get("prompt"), str):
-        head = [req["prompt"][:4096]]
+        text = "\0prompt:" + req["prompt"][:limit]
     elif path == "/v1/responses":
-        # The instructions start every turn of a conversation; without them, the input
-        # starts it unless it continues a stored one (whose start the router cannot see).
         if isinstance(req.get("instructions"), str):
-            head = [f"system:{req['instructions']}"]
-        elif req.get("previous_response_id") is None:
+            text = f"\0system:{req['instructions'][:limit]}"
+        if req.get("previous_response_id") is None:
             if isinstance(req.get("input"), str):
-                head = [f"user:{req['input']}"]
+                text += f"\0user:{req['input'][:limit]}"
             elif isinstance(req.get("input"), list):
-                for item in req["input"]:
-                    if isinstance(item, dict) and "content" in item:
-                        head += [f"{item.get('role')}:{p}" for p in _parts(item)]
-                    if len(head) >= parts:
-                        break
-    if not head:
+                text += _render_messages(req["input"])
+    if not text:
         return None
-    h = hashlib.sha256(str(req.get("model")).encode())
-    for p in head[:parts]:
-        h.update(b"\0" + p.encode())
-    return h.hexdigest()[:32]
-
-
-def rendezvous(key: str, names: list[str]) -> str:
-    """The name ``key`` goes to: highest hash of (key, name). Removing a name moves only
-    the keys that went to it; adding one takes about 1/N of the keys."""
-    return max(names, key=lambda n: hashlib.sha256(f"{key}\0{n}".encode()).digest())
+    return f"{req.get('model')}{text}"[:limit]
 
 
 class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
-    """Requests with an ``affinity`` key go to the replica the key hashes to, unless it is
-    ``imbalance`` requests busier than the least loaded one; else power of two choices."""
+    """Requests with a ``prefix`` (their :func:`routing_text`) go where
+    :class:`api.prefix_router.PrefixRouter` says: the replica holding the longest prefix of
+    it, unless that covers under ``threshold`` of it or the replica is ``imbalance``
+    requests busier than the least loaded one (then the least loaded); the rest get
+    power of two choices. Loads are Ray's per-replica queue-length cache (requests this
+    router sent and has not seen finish, refreshed by the replicas' own counts)."""
 
-    imbalance = 4
+    def initialize_state(
+        self, threshold: float = 0.5, imbalance: int = 4, max_chars: int = 1 << 20, **_: Any
+    ) -> None:
+        self.prefixes = PrefixRouter(threshold=threshold, imbalance=imbalance, max_chars=max_chars)
+
+    def _router(self) -> PrefixRouter:
+        if not hasattr(self, "prefixes"):
+            self.initialize_state()
+        return self.prefixes
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        key = pending_request.kwargs.get("affinity") if pending_request is not None else None
-        if key and candidate_replicas:
+        text = pending_request.kwargs.get("prefix") if pending_request is not None else None
+        if text and candidate_replicas:
             by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-            preferred = by_name[rendezvous(key, sorted(by_name))]
             cache = self.replica_queue_len_cache
             loads = {name: cache.get(r.replica_id) or 0 for name, r in by_name.items()}
-            if loads[preferred.replica_id.unique_id] <= min(loads.values()) + self.imbalance:
-                others = [r for r in candidate_replicas if r is not preferred]
-                return [[preferred], others] if others else [[preferred]]
+            preferred = by_name[self._router().route(text, loads).replica]
+            others = [r for r in candidate_replicas if r is not preferred]
+            return [[preferred], others] if others else [[preferred]]
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        # The preferred replica may have been full and the request gone to another.
+        super().on_request_routed(pending_request, replica_id, result)
+        text = pending_request.kwargs.get("prefix") if pending_request is not None else None
+        if text:
+            self._router().record(text, replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._router().retain(r.replica_id.unique_id for r in replicas)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._router().retain(r.unique_id for r in self._replica_id_set)
 
 
 async def _lifespan(app: Any, event: str, queue: asyncio.Queue, task_box: list) -> None:
@@ -192,9 +219,10 @@ class Engine:
         log.info("replica %s ready (pid %d)", self.name, os.getpid())
 
     async def handle(
-        self, scope: dict[str, Any], body: bytes, affinity: str | None = None
+        self, scope: dict[str, Any], body: bytes, prefix: str | None = None
     ) -> AsyncIterator[dict[str, Any]]:
-        """Serve one HTTP request: the ASGI messages of its answer, as they come."""
+        """Serve one HTTP request: the ASGI messages of its answer, as they come (``prefix``
+        is for the router: :func:`routing_text`)."""
         out: asyncio.Queue = asyncio.Queue()
         sent_body = False
         end = object()
@@ -262,7 +290,7 @@ _SCOPE_KEYS = (
 
 
 class Gateway:
-    """The HTTP entry: reads each body, keys it for affinity, passes it to an engine."""
+    """The HTTP entry: reads each body, takes its routing text, passes both to an engine."""
 
     def __init__(self, engine: Any, max_body_bytes: int):
         self.engine = engine
@@ -294,11 +322,11 @@ class Gateway:
                 break
         body = b"".join(chunks)
         plain = {k: _plain(scope[k]) for k in _SCOPE_KEYS if k in scope}
-        key = affinity_key(scope["path"], body)
+        prefix = routing_text(scope["path"], body)
         for attempt in range(RETRIES + 1):
             started, sse = False, False
             try:
-                stream = self.engine.options(stream=True).handle.remote(plain, body, affinity=key)
+                stream = self.engine.options(stream=True).handle.remote(plain, body, prefix=prefix)
                 async for message in stream:
                     if message["type"] == "http.response.start":
                         started = True

@@ -149,6 +149,20 @@ def test_upload_via_one_replica_chat_via_the_other(
     assert len(firsts) == 1
 
 
+def test_chats_sharing_only_a_long_system_prompt_reuse_one_replicas_cache(cluster: Cluster) -> None:
+    """Issue 34: keyed by system prompt + question these spread over both replicas and each
+    computed the prompt once; routed by longest held prefix, all but the first hit the cache."""
+    system = "Zebra crossing rules, 7391 edition. " + "Answer in one short sentence, citing the rule. " * 20
+    served, cached = [], []
+    for q in ("What is 2+2?", "Name a colour.", "Why is the sky blue?", "Hi", "Define entropy.", "Go"):
+        r = cluster.http.post("/v1/chat/completions", json=_chat(q, system=system, max_tokens=1))
+        assert r.status_code == 200, r.text
+        served.append(r.headers["x-pie-media-replica"])
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(set(served)) == 1, served
+    assert cached[0] == 0 and min(cached[1:]) >= 150, cached  # the ~190-token system turn
+
+
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
