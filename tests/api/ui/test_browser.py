@@ -202,6 +202,35 @@ def test_dropped_png_answer_equals_the_api_and_turns_continue(page, ui_server: U
     page.click("#chat-attachments li.bad button")
 
 
+def test_each_drop_zone_has_one_file_control(page, samples: Path) -> None:
+    """One clear control per drop zone (not a "choose files" link beside a native "Choose
+    Files" button): the native input is visually hidden, the zone's one button-like label
+    opens the browser's file chooser, and what is picked there is attached."""
+    zones = {
+        "chat": "#chat-drop",
+        "jobs": "label[for='jobs-files']",
+        "inferlets": "label[for='inferlet-file']",
+    }
+    for panel, zone in zones.items():
+        page.click(f"#tab-{panel}")
+        text = page.inner_text(zone).lower()
+        assert text.count("choose") == 1, text
+        controls = page.locator(f"{zone} .pick")
+        assert controls.count() == 1 and controls.is_visible()
+        box = page.locator(f"{zone} input[type=file]").bounding_box()
+        assert box is not None and box["width"] <= 1 and box["height"] <= 1  # no native button drawn
+    page.click("#tab-chat")
+    with page.expect_file_chooser() as chooser:
+        page.click("#chat-drop .pick")
+    assert chooser.value.is_multiple()
+    chooser.value.set_files(str(samples / "images" / "rgba.png"))
+    item = page.locator("#chat-attachments li", has_text="rgba.png")
+    item.locator(f"text=tokens for {QWEN}").wait_for()
+    assert item.locator("img.thumb").evaluate("(i) => i.complete && i.naturalWidth") == 96
+    item.locator("button").click()
+    assert page.locator("#chat-attachments li").count() == 0
+
+
 def test_stop_cancels_the_request_and_its_pages_come_back(page, ui_server: UiServer) -> None:
     before = metric(ui_server, "pie_media_kv_pages", model=QWEN, state="used")
     sampling(page, temperature=0, max_tokens=1500, ignore_eos=True)
