@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -1067,8 +1068,12 @@ class _Emission:
         else:
             visible = text[: len(text) - self.cond.holdback(text)]
         delta = ""
-        if reason is not None or not visible.endswith("\ufffd"):
-            delta = visible[len(self.emitted) :] if visible.startswith(self.emitted) else visible
+        settled = not visible.endswith("\ufffd") and token not in self.ctx.model.byte_fallback_ids
+        if reason is not None or settled:
+            # Held-back text keeps ``emitted`` a prefix of the whole decode; should a tokenizer
+            # still rewrite earlier text, only what follows the common prefix goes out.
+            common = len(os.path.commonprefix((self.emitted, visible)))
+            delta = visible[common:]
             self.emitted = visible
         return TokenEvent(token=token, text=delta, done=reason, logprob=lp, top_logprobs=top)
 

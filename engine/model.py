@@ -12,6 +12,7 @@ engine, by ``api.model_ref.load_model``. Nothing is fetched from a hub.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -280,6 +281,18 @@ class Model:
 
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of a byte-fallback vocabulary's ``<0xHH>`` tokens (SentencePiece-style, e.g.
+        Gemma's). A run of them decodes as one group, so the text of its first bytes can
+        change when the next byte arrives ('N' alone, two replacement characters once an
+        invalid continuation byte follows): streamed text holds such a run back until it
+        ends. Empty for byte-level BPE (Qwen), whose partial characters show as U+FFFD."""
+        vocab = self.tokenizer.get_vocab()
+        return frozenset(
+            i for tok, i in vocab.items() if len(tok) == 6 and tok.startswith("<0x") and tok[5] == ">"
+        )
 
     # -- media ------------------------------------------------------------------------------
     def metrics(self) -> MetricsSnapshot:

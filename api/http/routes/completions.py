@@ -185,7 +185,7 @@ class _Formatter:
             ch.text = text
             if self.body.logprobs is not None:
                 for p in self.completion.prompt_logprobs:
-                    top = None if p.logprob is None else self._top(p.top_logprobs)
+                    top = None if p.logprob is None else self._top(p.top_logprobs, p.token, p.logprob)
                     ch.add_token(self.detokenize([p.token]), p.logprob, top)
         return choices
 
@@ -193,10 +193,23 @@ class _Formatter:
         ch.text += ev.text
         ch.finish_reason = ev.finish_reason or ch.finish_reason
         if self.body.logprobs is not None:
-            ch.add_token(self.detokenize([ev.token]), ev.logprob, self._top(ev.top_logprobs))
+            top = self._top(ev.top_logprobs, ev.token, ev.logprob)
+            ch.add_token(self.detokenize([ev.token]), ev.logprob, top)
 
-    def _top(self, pairs: tuple[tuple[int, float], ...]) -> dict[str, float]:
-        return {self.detokenize([t]): lp for t, lp in pairs}
+    def _top(
+        self, pairs: tuple[tuple[int, float], ...], chosen: int, logprob: float | None
+    ) -> dict[str, float]:
+        """The legacy ``top_logprobs`` entry of one position: the ``logprobs`` most probable
+        tokens and, as OpenAI and vLLM always add it, the chosen token (so up to
+        ``logprobs + 1`` entries), most probable first."""
+        ranked = list(pairs)
+        if logprob is not None and all(t != chosen for t, _ in ranked):
+            ranked.append((chosen, logprob))
+            ranked.sort(key=lambda pair: -pair[1])
+        top: dict[str, float] = {}
+        for t, lp in ranked:  # two ids may print alike: the more probable one names the entry
+            top.setdefault(self.detokenize([t]), lp)
+        return top
 
 
 def _usage(runs: list[Completion]) -> Usage:

@@ -105,7 +105,13 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, local, mode
     assert len(lp.tokens) == c.prompt_tokens == r.usage.prompt_tokens
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:] == [p.logprob for p in c.prompt_logprobs[1:]]
-    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    # OpenAI's legacy shape: the 2 most probable plus the chosen token when it is not among them
+    assert all(len(t) <= 3 for t in lp.top_logprobs[1:])
+    for tok, chosen, top, p in zip(
+        lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], c.prompt_logprobs[1:], strict=True
+    ):
+        assert top[tok] == chosen
+        assert len(top) == len({t for t, _ in p.top_logprobs} | {p.token})
     # text_offset: the token strings' lengths so far (vLLM's rule)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
@@ -181,3 +187,32 @@ def test_penalties_and_logit_bias_equal_the_engine(client: openai.OpenAI, local,
     penalties = Penalties.of(presence=0.5, frequency=0.8, repetition=1.3, logit_bias={17: 5.0, 42: -100.0})
     (want,), _ = engine_answer(local[model], PROMPT, max_tokens=10, penalties=penalties)
     assert r.choices[0].text == want[0] != plain.choices[0].text
+
+
+def test_legacy_top_logprobs_always_name_the_chosen_token(client: openai.OpenAI) -> None:
+    """The issue's request: an echoed prompt token that is not the most probable one still
+    appears in its own ``top_logprobs`` entry (OpenAI and vLLM add it: up to logprobs + 1
+    entries), and so does every generated token, sampled ones included."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(
+        model=QWEN, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs[0] is None
+    outside = 0
+    for tok, chosen, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top[tok] == chosen and 1 <= len(top) <= 2
+        assert max(top.values()) >= chosen
+        outside += len(top) == 2
+    assert outside > 0  # a random model's prompt has tokens it would not have picked
+    sampled = (
+        client.completions.create(
+            model=QWEN, prompt=prompt, max_tokens=6, logprobs=0, temperature=1.0, seed=7
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert all(
+        top == {tok: chosen}
+        for tok, chosen, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs, strict=True)
+    )
