@@ -1,17 +1,25 @@
 """Replicas on Ray Serve: throughput of 1 vs 2 engine replicas, and the prefix-cache hit
-rate that prefix-affinity routing gains over random routing.
+rate of the replica router's choice against older choices.
 
-1. Throughput: ``api.serve_ray.build_app`` on a local Ray, the tiny Qwen3-VL, N concurrent
+1. Hit rate (cached_tokens / prompt_tokens, summed over a workload's chats as the API
+   reports them) on two in-process engines (fresh, cold caches for each workload and
+   policy), for two workloads:
+   - ``shared-system``: 6 long system prompts (~190 tokens) and a different question in
+     every chat (text only), the case of issue 34;
+   - ``system-x-image``: 4 system prompts x 4 images repeating, a new question each.
+   Policies: ``random``; ``old-key`` (the router before issue 34: rendezvous hash of the
+   model, system prompt and first user part); ``prefix`` (``api.prefix_router.PrefixRouter``
+   on ``api.serve_ray.routing_text``, what ``serve --ray`` routes by now); and
+   ``one-replica`` (every chat on one engine: the most any routing over 2 can reuse).
+   Chats are sent one at a time, so loads are equal and the load bound never acts.
+2. Throughput: ``api.serve_ray.build_app`` on a local Ray, the tiny Qwen3-VL, N concurrent
    greedy chats; 1 replica, then 2. On this 2-core machine two replicas share the same two
    cores as one (torch already uses both), so expect ~1x here; the printout gives the
    arithmetic for N GPUs (one replica per GPU: the replicas share only the index and the
    gateway, whose cost per request is measured).
-2. Hit rate: a workload where 4 system prompts x 4 images repeat (each request = system
-   prompt + image + a new question), sent to two in-process engines, routed either at
-   random or by the router's own rule (``affinity_key`` + ``rendezvous``). Hit rate =
-   prompt rows the engines did not compute (their prefix cache had them) / prompt rows.
 
     .venv/bin/python bench/replicas.py [--requests 48] [--concurrency 8] [--skip-ray]
+        [--out bench/results/replicas_hit_rate.json]
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import hashlib
+import json
 import os
+import platform
 import random
 import socket
 import sys
@@ -35,9 +46,12 @@ from fastapi.testclient import TestClient
 
 from api.http.app import create_app
 from api.http.settings import ServeSettings
-from api.serve_ray import affinity_key, rendezvous
+from api.prefix_router import PrefixRouter
+from api.serve_ray import routing_text
 
 MODEL = "tiny-qwen3-vl"
+REPLICAS = ["replica-0", "replica-1"]
+POLICIES = ("random", "old-key", "prefix", "one-replica")
 
 
 def _images() -> list[str]:
@@ -51,7 +65,36 @@ def _images() -> list[str]:
     ]
 
 
-def _workload(n: int, seed: int = 0) -> list[dict]:
+def _chat(system: str, content: list[dict] | str) -> dict:
+    return {
+        "model": MODEL,
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
+    }
+
+
+def shared_system_workload(n: int, seed: int = 0) -> list[dict]:
+    """6 long system prompts (~190 tokens), a different question in every chat."""
+    rng = random.Random(seed)
+    rules = [
+        "Answer politely and briefly, cite the policy section that applies, never invent order numbers. ",
+        "Reply in plain English, one paragraph at most, and ask for the ticket id when it is missing. ",
+        "Explain each step of the procedure, warn about data loss, and link the manual's chapter. ",
+        "Use a friendly tone, suggest one related book, and keep prices in the customer's currency. ",
+        "List the options as short bullets, say which one you recommend, and why, in one line. ",
+        "Check the delivery address first, then the payment status, then answer the question. ",
+    ]
+    systems = [f"You are support agent {i} of the bookshop. " + rule * 6 for i, rule in enumerate(rules)]
+    topics = ["my order", "a refund", "the invoice", "shipping to Norway", "a damaged cover", "gift cards"]
+    return [
+        _chat(systems[rng.randrange(len(systems))], f"Question {i}: what about {rng.choice(topics)}?")
+        for i in range(n)
+    ]
+
+
+def system_x_image_workload(n: int, seed: int = 0) -> list[dict]:
+    """4 system prompts x 4 images repeating, a new question each."""
     rng = random.Random(seed)
     systems = [f"You are assistant number {i}. " + "Answer briefly and precisely. " * 8 for i in range(4)]
     images = _images()
@@ -62,57 +105,92 @@ def _workload(n: int, seed: int = 0) -> list[dict]:
             {"type": "image_url", "image_url": {"url": images[img]}},
             {"type": "text", "text": f"Q{i}?"},
         ]
-        out.append(
-            {
-                "model": MODEL,
-                "max_tokens": 4,
-                "temperature": 0,
-                "messages": [{"role": "system", "content": systems[s]}, {"role": "user", "content": content}],
-            }
-        )
+        out.append(_chat(systems[s], content))
     return out
 
 
-def hit_rates(n: int) -> None:
-    import json
+def old_key_replica(body: dict) -> str:
+    """Where the router before issue 34 sent a chat: the highest hash of (key, replica),
+    key = hash of the model and the first two content parts (system prompt, first user part)."""
+    head: list[str] = []
+    for m in body["messages"]:
+        content = m["content"]
+        values = (
+            [content]
+            if isinstance(content, str)
+            else [p.get("text") or p["image_url"]["url"] for p in content]
+        )
+        head += [f"{m['role']}:{v}" for v in values]
+        if len(head) >= 2:
+            break
+    h = hashlib.sha256(str(body["model"]).encode())
+    for p in head[:2]:
+        h.update(b"\0" + p.encode())
+    key = h.hexdigest()[:32]
+    return max(REPLICAS, key=lambda n: hashlib.sha256(f"{key}\0{n}".encode()).digest())
 
-    bodies = _workload(n)
-    names = ["replica-0", "replica-1"]
-    results = {}
+
+def _run(bodies: list[dict], policy: str, state: Path) -> dict:
+    """Send ``bodies`` one at a time to fresh engines (cold prefix caches) as ``policy``
+    routes them; the API's own usage counts give the hit rate."""
+    count = 1 if policy == "one-replica" else 2
+    engines = [
+        TestClient(create_app(ServeSettings(models=["tiny"], state_dir=state / str(i)))) for i in range(count)
+    ]
+    for e in engines:
+        e.__enter__()
+    rng, router = random.Random(1), PrefixRouter()
+    prompt = cached = 0
+    per_replica = [0] * count
+    try:
+        for body in bodies:
+            if policy == "random":
+                i = rng.randrange(2)
+            elif policy == "old-key":
+                i = REPLICAS.index(old_key_replica(body))
+            elif policy == "prefix":
+                text = routing_text("/v1/chat/completions", json.dumps(body).encode())
+                assert text is not None
+                i = REPLICAS.index(router.route(text, dict.fromkeys(REPLICAS, 0)).replica)
+            else:
+                i = 0
+            r = engines[i].post("/v1/chat/completions", json=body)
+            r.raise_for_status()
+            usage = r.json()["usage"]
+            prompt += usage["prompt_tokens"]
+            cached += usage["prompt_tokens_details"]["cached_tokens"]
+            per_replica[i] += 1
+    finally:
+        for e in engines:
+            e.__exit__(None, None, None)
+    return {
+        "hit_rate": round(cached / prompt, 4),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "chats_per_replica": per_replica,
+    }
+
+
+def hit_rates(n: int) -> dict:
+    """{workload: {policy: {hit_rate, prompt_tokens, cached_tokens, per_replica}}}."""
+    workloads = {"shared-system": shared_system_workload(n), "system-x-image": system_x_image_workload(n)}
+    results: dict[str, dict] = {w: {} for w in workloads}
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in ("random", "affinity"):
-            rng = random.Random(1)
-            # Fresh replicas for each policy: cold prefix caches.
-            engines = [
-                TestClient(create_app(ServeSettings(models=["tiny"], state_dir=Path(tmp) / f"{policy}{i}")))
-                for i in range(2)
-            ]
-            for e in engines:
-                e.__enter__()
-            models = [e.app.state.service.models.get(MODEL, kind="chat").model for e in engines]
-            before = [m.metrics().prompt_tokens for m in models]
-            total = 0
-            for body in bodies:
-                if policy == "random":
-                    i = rng.randrange(2)
-                else:
-                    i = names.index(
-                        rendezvous(affinity_key("/v1/chat/completions", json.dumps(body).encode()), names)
-                    )
-                r = engines[i].post("/v1/chat/completions", json=body)
-                r.raise_for_status()
-                total += r.json()["usage"]["prompt_tokens"]
-            computed = sum(m.metrics().prompt_tokens - b for m, b in zip(models, before, strict=True))
-            results[policy] = 1 - computed / total
-            print(
-                f"  {policy:8s}: {total} prompt rows, {computed} computed -> hit rate {results[policy]:.1%}"
-            )
-            for e in engines:
-                e.__exit__(None, None, None)
-    print(
-        f"  affinity / random hit rate: {results['affinity']:.1%} vs {results['random']:.1%} "
-        f"(+{(results['affinity'] - results['random']) * 100:.1f} points)"
-    )
+        for workload, bodies in workloads.items():
+            for policy in POLICIES:
+                results[workload][policy] = _run(bodies, policy, Path(tmp) / f"{workload}-{policy}")
+                row = results[workload][policy]
+                print(
+                    f"  {workload:14s} {policy:11s}: {row['prompt_tokens']} prompt tokens, "
+                    f"{row['cached_tokens']} cached -> hit rate {row['hit_rate']:.1%} "
+                    f"(chats per replica {row['chats_per_replica']})"
+                )
+    for workload, row in results.items():
+        print(
+            f"  {workload}: prefix {row['prefix']['hit_rate']:.1%} vs old key {row['old-key']['hit_rate']:.1%} "
+            f"vs random {row['random']['hit_rate']:.1%} (one replica, the ceiling: {row['one-replica']['hit_rate']:.1%})"
+        )
+    return results
 
 
 async def _load(url: str, bodies: list[dict], concurrency: int) -> float:
@@ -187,14 +265,45 @@ def throughput(n: int, concurrency: int) -> None:
     )
 
 
+def _cpu() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--skip-ray", action="store_true", help="only the hit-rate part")
+    ap.add_argument("--out", type=Path, default=None, help="save the hit rates as JSON here")
     args = ap.parse_args()
-    print("Prefix-cache hit rate, 4 system prompts x 4 images repeating, 2 replicas:")
-    hit_rates(args.requests)
+    print(
+        f"Prefix-cache hit rate (cached_tokens / prompt_tokens), {args.requests} chats per workload, 2 replicas:"
+    )
+    rates = hit_rates(args.requests)
+    if args.out is not None:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "bench": "replicas hit rate",
+                    "machine": {
+                        "cpu": _cpu(),
+                        "cores": os.cpu_count(),
+                        "note": "this CPU, 2 cores shared with other users; hit rates do not depend on speed",
+                    },
+                    "model": MODEL,
+                    "requests_per_workload": args.requests,
+                    "sent": "one at a time (equal loads: the load bound never acts)",
+                    "workloads": rates,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        print(f"  saved {args.out}")
     if not args.skip_ray:
         print("Throughput on Ray Serve (tiny Qwen3-VL, greedy, 16 tokens each):")
         throughput(args.requests, args.concurrency)
