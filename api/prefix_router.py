@@ -7,8 +7,9 @@ with each media part as its digest; see ``api.serve_ray.routing_text``). A repli
 tree approximates what its prefix cache holds. For a new request:
 
 1. every candidate replica's tree gives the length of the longest prefix of the text it
-   holds; the best one wins if it covers at least ``threshold`` of the text (ties: fewer
-   requests in flight, then the name);
+   holds; the best one wins if it covers at least ``threshold`` of the text and at least
+   ``min_match`` characters (about a KV page: a shorter shared start, such as the model
+   name and a role tag, saves nothing) (ties: fewer requests in flight, then the name);
 2. otherwise, or when the winner has more than ``imbalance`` requests in flight above the
    least loaded candidate, the least loaded one wins (ties: the smaller tree, so new
    prefixes spread over idle replicas; then the name);
@@ -127,12 +128,15 @@ class Choice:
 class PrefixRouter:
     """Longest-prefix routing bounded by load, one :class:`RadixTree` per replica name."""
 
-    def __init__(self, *, threshold: float = 0.5, imbalance: int = 4, max_chars: int = 1 << 20) -> None:
+    def __init__(
+        self, *, threshold: float = 0.5, min_match: int = 64, imbalance: int = 4, max_chars: int = 1 << 20
+    ) -> None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         if imbalance < 0:
             raise ValueError(f"imbalance must be >= 0, got {imbalance}")
         self.threshold = threshold
+        self.min_match = min_match
         self.imbalance = imbalance
         self.max_chars = max_chars
         self.trees: dict[str, RadixTree] = {}
@@ -145,7 +149,7 @@ class PrefixRouter:
         least = min(loads.values())
         matched = {n: self.trees[n].match(text) if n in self.trees else 0 for n in names}
         best = min(names, key=lambda n: (-matched[n], loads[n], n))
-        if text and matched[best] > 0 and matched[best] >= self.threshold * len(text):
+        if matched[best] >= max(1, self.min_match, self.threshold * len(text)):
             if loads[best] <= least + self.imbalance:
                 return Choice(best, "prefix", matched[best])
             reason: Literal["least_loaded", "imbalance"] = "imbalance"

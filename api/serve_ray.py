@@ -11,9 +11,9 @@ model servers):
   text (:func:`routing_text`: the model and the messages in order, media parts as
   digests) and passes it on. Routing is :class:`PrefixAffinityRouter`, cache-aware as
   SGLang's router is (:mod:`api.prefix_router`): a request goes to the replica that was
-  already sent the longest prefix of its text, if that covers at least half of it and the
-  replica has at most ``imbalance`` more requests in flight than the least loaded one;
-  otherwise to the least loaded replica. So chats that share only a long system prompt
+  already sent the longest prefix of its text, if that covers at least half of it and 64
+  characters (about a KV page), and the replica has at most ``imbalance`` more requests
+  in flight than the least loaded one; otherwise to the least loaded replica. So chats that share only a long system prompt
   meet on one replica, whose prefix cache computes it once. Requests without routing
   text get Ray Serve's default power-of-two-choices routing.
 
@@ -146,9 +146,16 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     router sent and has not seen finish, refreshed by the replicas' own counts)."""
 
     def initialize_state(
-        self, threshold: float = 0.5, imbalance: int = 4, max_chars: int = 1 << 20, **_: Any
+        self,
+        threshold: float = 0.5,
+        min_match: int = 64,
+        imbalance: int = 4,
+        max_chars: int = 1 << 20,
+        **_: Any,
     ) -> None:
-        self.prefixes = PrefixRouter(threshold=threshold, imbalance=imbalance, max_chars=max_chars)
+        self.prefixes = PrefixRouter(
+            threshold=threshold, min_match=min_match, imbalance=imbalance, max_chars=max_chars
+        )
 
     def _router(self) -> PrefixRouter:
         if not hasattr(self, "prefixes"):

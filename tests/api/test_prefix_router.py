@@ -52,9 +52,20 @@ def test_a_match_below_the_threshold_goes_to_the_least_loaded() -> None:
     choice = router.choose(text, {"r0": 1, "r1": 0})
     assert (choice.replica, choice.reason) == ("r1", "least_loaded")
     # A lower threshold accepts the same short match.
-    low = PrefixRouter(threshold=0.05)
+    low = PrefixRouter(threshold=0.05, min_match=1)
     low.record("Be brief.", "r0")
     assert low.choose(text, {"r0": 1, "r1": 0}).reason == "prefix"
+
+
+def test_a_short_shared_start_is_no_reason_to_prefer_a_replica() -> None:
+    # "model, user:Request " is most of these short texts but less than a KV page.
+    router = PrefixRouter(min_match=64)
+    router.record("tiny\0user:Request 1: say something.", "r0")
+    choice = router.choose("tiny\0user:Request 2: say something.", {"r0": 0, "r1": 0})
+    assert (choice.replica, choice.reason) == ("r1", "least_loaded")
+    assert PrefixRouter(min_match=0).choose("x", {"r0": 0}).reason == "least_loaded"  # empty trees
+    router.min_match = 0
+    assert router.choose("tiny\0user:Request 2: say something.", {"r0": 0, "r1": 0}).reason == "prefix"
 
 
 def test_load_bounds_the_preference() -> None:
