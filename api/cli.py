@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
     if args.command == "caption":
-        from api.caption_cmd import run_caption
+        from api.batch.command import run_caption
         from media import PieMediaError
 
         if args.max_tokens < 1:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.out is None:
                 print("pie-media: --ray needs --out FILE.jsonl or FILE.parquet", file=sys.stderr)
                 return 2
-            from api.ray_captions import caption_with_ray
+            from api.batch.ray_runner import caption_with_ray
 
             summary = caption_with_ray(
                 args.files,

@@ -1,6 +1,6 @@
-"""The same captioning job three ways, in one run: the single-process job (``api.jobs``),
+"""The same captioning job three ways, in one run: the single-process job (``api.batch.job``),
 the HTTP job (``POST /v1/jobs/captions`` on a ``pie-media serve`` started here) and the
-Ray Data pipeline (``api.ray_captions``, N local engine actors); images/s each and the
+Ray Data pipeline (``api.batch.ray_runner``, N local engine actors); images/s each and the
 ratios (aim: the HTTP job within 10% of the in-process job).
 
     .venv/bin/python -m bench.jobs [--images 64] [--max-tokens 16] [--replicas 2]
@@ -51,7 +51,7 @@ def _inputs(n: int, folder: Path) -> list[Path]:
 
 
 def single(files: list[Path], tmp: Path, max_tokens: int, concurrency: int) -> float:
-    from api.jobs import run_caption_job
+    from api.batch.job import run_caption_job
     from api.model_ref import load_model
 
     model = load_model("tiny")
@@ -104,7 +104,7 @@ def over_http(files: list[Path], tmp: Path, max_tokens: int, concurrency: int) -
 
 
 def on_ray(files: list[Path], tmp: Path, max_tokens: int, replicas: int) -> float:
-    from api.ray_captions import caption_with_ray
+    from api.batch.ray_runner import caption_with_ray
 
     t0 = time.perf_counter()
     caption_with_ray(

@@ -23,11 +23,11 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from api.batch.records import error_dict, make_record
 from api.http.jobs_store import JobRecord, JobStore
 from api.http.media_refs import MediaResolver
 from api.http.registry import ModelRegistry
 from api.http.store import MediaStore
-from api.jobs import error_dict, make_record
 from engine import caption_async
 from media import PieMediaError
 

@@ -16,11 +16,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.batch.file_source import expand_paths
+from api.batch.records import error_dict, make_record
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError
 from api.http.jobs_store import JobRecord
 from api.http.uploads import receive_multipart
-from api.jobs import error_dict, expand_paths, make_record
 from engine.caption import DEFAULT_PROMPT
 from media import InvalidRequestError, PieMediaError
 

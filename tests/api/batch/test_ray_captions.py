@@ -33,9 +33,9 @@ def _records(path: Path) -> dict[str, dict]:
 
 
 def test_ray_pipeline_equals_single_process_job(tmp_path: Path, samples: Path) -> None:
-    from api.jobs import run_caption_job
+    from api.batch.job import run_caption_job
+    from api.batch.ray_runner import caption_with_ray
     from api.model_ref import load_model
-    from api.ray_captions import caption_with_ray
 
     src = tmp_path / "in"
     src.mkdir()

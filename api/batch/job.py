@@ -24,7 +24,6 @@ record with that caption, without running the model again.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import time
@@ -33,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from api.batch.file_source import expand_paths
+from api.batch.journal import JournalWriter, read_records
+from api.batch.records import make_record
 from media import DEFAULT_LIMITS, Image, PieMediaError, content_hash
 
 
@@ -50,92 +52,6 @@ class JobSummary:
     """Bytes of a torn last line cut from the output at start."""
     elapsed_s: float = 0.0
     files: list[str] = field(default_factory=list)
-
-
-def make_record(
-    name: str,
-    settings: dict[str, Any],
-    *,
-    content_hash: str | None = None,
-    caption: str | None = None,
-    error: dict[str, Any] | None = None,
-    elapsed_s: float | None = None,
-) -> dict[str, Any]:
-    """One job record (the CLI's JSONL line, the HTTP job's result): a caption or an error."""
-    rec: dict[str, Any] = {"file": name}
-    if content_hash:
-        rec["content_hash"] = content_hash
-    if error is not None:
-        rec["error"] = error
-    else:
-        rec["caption"] = caption
-    rec.update(settings)
-    if error is None and elapsed_s is not None:
-        rec["elapsed_s"] = round(elapsed_s, 4)
-    return rec
-
-
-def error_dict(e: BaseException) -> dict[str, Any]:
-    """A typed error as a record's ``error`` (an unexpected one by its class name)."""
-    to_dict = getattr(e, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    return {"code": getattr(e, "code", None) or type(e).__name__, "message": str(e)}
-
-
-def expand_paths(paths: Iterable[str | os.PathLike[str]], *, exclude: Path | None = None) -> list[Path]:
-    """Files named directly, plus every non-hidden file under named directories (sorted)."""
-    skip = exclude.resolve() if exclude is not None else None
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = [
-                f
-                for f in sorted(p.rglob("*"))
-                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
-            ]
-        else:
-            found = [p]
-        out.extend(f for f in found if skip is None or f.resolve() != skip)
-    return out
-
-
-def read_records(out: Path) -> tuple[list[dict[str, Any]], int]:
-    """The records in ``out`` and how many bytes of a torn last line were cut off (the file
-    is truncated to its last complete line). Unparsable complete lines are ignored."""
-    if not out.exists():
-        return [], 0
-    data = out.read_bytes()
-    end = data.rfind(b"\n") + 1
-    torn = len(data) - end
-    if torn:
-        with out.open("r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
-    records = []
-    for line in data[:end].splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "file" in rec:
-            records.append(rec)
-    return records, torn
-
-
-class _Writer:
-    def __init__(self, out: Path):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self._f = out.open("a", encoding="utf-8")
-
-    def write(self, rec: dict[str, Any]) -> None:
-        self._f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def _load(path: Path) -> tuple[Image | None, str | None, dict[str, Any] | None]:
@@ -189,7 +105,7 @@ async def caption_job_async(
         from tqdm import tqdm
 
         bar = tqdm(total=len(files), file=sys.stderr, unit="file", dynamic_ncols=True, desc="caption")
-    writer = _Writer(out)
+    writer = JournalWriter(out)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(path: Path) -> None:

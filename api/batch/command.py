@@ -4,7 +4,7 @@ Directories are searched recursively (sorted). Images are decoded first (a bad f
 reported with its typed error and the rest go on); the good ones are captioned
 concurrently so their decode steps share forward passes.
 
-With ``--out captions.jsonl`` it runs as a resumable batch job (``api.jobs``): at most
+With ``--out captions.jsonl`` it runs as a resumable batch job (``api.batch.job``): at most
 ``--concurrency`` captions in flight, a progress bar on stderr, one fsync'ed record per
 file appended as it completes, and a rerun skips what is already recorded."""
 
@@ -48,7 +48,8 @@ def _caption_files(
     concurrency: int,
     progress: bool,
 ) -> int:
-    from api.jobs import expand_paths, run_caption_job
+    from api.batch.file_source import expand_paths
+    from api.batch.job import run_caption_job
     from engine import caption_many_async
 
     if out is not None:

@@ -8,11 +8,11 @@ The pipeline: file names (local paths, expanded like the single-process job, or 
 UDF holding the model's preparer, no weights) -> caption on actors that each hold one
 engine (``replicas`` of them, one GPU each when there are GPUs; each actor runs its batch
 concurrently so the rows share forward passes) -> records. ``.jsonl`` outputs are
-appended by the driver, one fsync'ed record per file as in ``api.jobs``, so a rerun skips
+appended by the driver, one fsync'ed record per file as in ``api.batch.job``, so a rerun skips
 what is done (Ray Data's own checkpointing was not reliable here: resume is ours);
 ``.parquet`` outputs are written by Ray (``write_parquet``, a folder).
 
-Records equal the single-process job's (``api.jobs``): a caption or a typed error per
+Records equal the single-process job's (``api.batch.job``): a caption or a typed error per
 file, never a failed run. Ray is an optional extra (``pip install .[ray]``), imported
 only here.
 """
@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.jobs import _Writer, error_dict, expand_paths, make_record, read_records
+from api.batch.file_source import expand_paths
+from api.batch.journal import JournalWriter, read_records
+from api.batch.records import error_dict, make_record
 
 DEFAULT_BATCH = 8
 
@@ -186,7 +188,7 @@ def caption_with_ray(
             ds.map(_flat).write_parquet(str(out))
             summary.captioned = summary.total - summary.skipped
         else:
-            writer = _Writer(out)
+            writer = JournalWriter(out)
             try:
                 for row in ds.iter_rows():
                     rec = json.loads(row["record"])

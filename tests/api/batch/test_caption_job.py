@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from PIL import Image as PILImage
 
-from api.jobs import expand_paths, read_records, run_caption_job
+from api.batch.file_source import expand_paths
+from api.batch.job import run_caption_job
+from api.batch.journal import read_records
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 N_IMAGES = 12
 
 
