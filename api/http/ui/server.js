@@ -1,11 +1,19 @@
 // Server: the models (GET /v1/models) and live charts read from /metrics (Prometheus text).
 import { api } from "./api.js";
+import { formatValue, timeChart } from "./timechart.js";
 import { $, el, showError } from "./ui.js";
 
 const EVERY_MS = 2000;
-const KEEP = 60;
-const SVG = "http://www.w3.org/2000/svg"; // a namespace name, never fetched
+const SPAN_MS = 5 * 60_000; // the charts show the last 5 minutes, as a Grafana panel's "Last 5 minutes"...
 const history = new Map(); // "model|chart" -> [{t, values}]
+let firstT = null; // ...or, while the page has watched for less, the whole minutes since it opened
+
+/** The charts' window: whole minutes, from 1 to SPAN_MS, so the page's first minutes of
+ * samples fill the width instead of a sliver at the right of an empty box. */
+function spanAt(t) {
+  firstT ??= t;
+  return Math.min(SPAN_MS, Math.max(1, Math.ceil((t - firstT) / 60_000)) * 60_000);
+}
 let last = null; // previous scrape, for per-interval TTFT
 
 /** Prometheus text exposition -> [{name, labels, value}] (comments skipped). */
@@ -49,77 +57,62 @@ function snapshot(samples) {
   return now;
 }
 
-function sparkline(points, series) {
-  const w = 240;
-  const h = 48;
-  const all = points.flatMap((p) => series.map((s) => p.values[s.key])).filter((v) => v != null);
-  const max = Math.max(1e-9, ...all);
-  const svg = document.createElementNS(SVG, "svg");
-  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
-  svg.setAttribute("class", "spark");
-  svg.setAttribute("preserveAspectRatio", "none"); // the newest sample at the right edge
-  svg.setAttribute("role", "img");
-  for (const s of series) {
-    const xy = points
-      .map((p, i) => [p.values[s.key], i])
-      .filter(([v]) => v != null)
-      .map(([v, i]) => `${(((KEEP - points.length + i) / (KEEP - 1)) * w).toFixed(1)},${(h - 2 - (v / max) * (h - 4)).toFixed(1)}`);
-    const line = document.createElementNS(SVG, "polyline");
-    line.setAttribute("points", xy.join(" "));
-    line.setAttribute("class", s.cls);
-    svg.append(line);
-  }
-  return svg;
-}
-
-function chart(model, title, key, series, format) {
-  const id = `${model}|${key}`;
-  const points = history.get(id) || [];
+/** One chart: its title and time span, the axes, and a legend with each series' latest value. */
+function chart(model, title, key, series, opts, now, spanMs) {
+  const points = history.get(`${model}|${key}`) || [];
   const latest = points.length ? points[points.length - 1].values : {};
-  const legend = series.map((s) => `${s.label} ${format(latest[s.key])}`).join(" · ");
+  const legendText = (s) => `${s.label} ${s.format ? s.format(latest[s.key]) : formatValue(latest[s.key], opts.unit)}`;
+  const legend = el("span", { class: "value" });
+  series.forEach((s, i) => {
+    if (i) legend.append(" · ");
+    legend.append(el("i", { class: `swatch ${s.cls}`, "aria-hidden": "true" }), legendText(s));
+  });
+  const span = `last ${spanMs / 60_000} min`;
+  const label = `${title}, ${span}: ${series.map(legendText).join(", ")}`;
   return el(
     "figure",
     { class: "chart", "data-chart": key, "data-model": model },
-    sparkline(points, series),
-    el("figcaption", {}, el("strong", { text: title }), el("br"), el("span", { class: "value", text: legend })),
+    el("figcaption", {}, el("strong", { text: title }), " ", el("span", { class: "span", text: span })),
+    timeChart(points, { series, spanMs, now, label, ...opts }),
+    legend,
   );
 }
 
-function record(model, key, values) {
+function record(model, key, t, values) {
   const id = `${model}|${key}`;
   const points = history.get(id) || [];
-  points.push({ values });
-  if (points.length > KEEP) points.shift();
+  points.push({ t, values });
+  while (points.length && points[0].t < t - SPAN_MS) points.shift();
   history.set(id, points);
 }
 
-const num = (v) => (v == null ? "–" : String(v));
-const pct = (v) => (v == null ? "–" : `${(v * 100).toFixed(0)}%`);
-const ms = (v) => (v == null ? "–" : `${(v * 1000).toFixed(0)} ms`);
+const num = (v) => (v == null ? "–" : String(v)); // a legend's exact count (the axis rounds: 10.9k)
 
 async function refresh() {
   try {
     const text = await (await api("/metrics")).text();
     const now = snapshot(parseMetrics(text));
+    const t = Date.now();
+    const span = spanAt(t);
     const cards = [];
     for (const [m, s] of Object.entries(now)) {
       const p = last?.[m];
       const dCount = p ? s.ttftCount - p.ttftCount : 0;
       const ttft = dCount > 0 ? (s.ttftSum - p.ttftSum) / dCount : s.ttftCount ? s.ttftSum / s.ttftCount : null;
       const lookups = s.hit + s.miss;
-      record(m, "kv", { used: s.used, free: s.free });
-      record(m, "contexts", { contexts: s.contexts, inFlight: s.inFlight });
-      record(m, "cache", { rate: lookups ? s.hit / lookups : null });
-      record(m, "ttft", { ttft });
+      record(m, "kv", t, { used: s.used, free: s.free });
+      record(m, "contexts", t, { contexts: s.contexts, inFlight: s.inFlight });
+      record(m, "cache", t, { rate: lookups ? s.hit / lookups : null });
+      record(m, "ttft", t, { ttft });
       cards.push(
         el("h3", { text: m }),
         el(
           "div",
           { class: "chart-row" },
-          chart(m, "KV pages", "kv", [{ key: "used", label: "used", cls: "a" }, { key: "free", label: "free", cls: "b" }], num),
-          chart(m, "Open contexts", "contexts", [{ key: "contexts", label: "contexts", cls: "a" }, { key: "inFlight", label: "requests", cls: "b" }], num),
-          chart(m, "Encoder-cache hit rate", "cache", [{ key: "rate", label: "hits", cls: "a" }], pct),
-          chart(m, "Time to first token", "ttft", [{ key: "ttft", label: "mean", cls: "a" }], ms),
+          chart(m, "KV pages", "kv", [{ key: "used", label: "used", cls: "a", format: num }, { key: "free", label: "free", cls: "b", format: num }], { unit: "count", yLabel: "pages" }, t, span),
+          chart(m, "Open contexts", "contexts", [{ key: "contexts", label: "contexts", cls: "a", format: num }, { key: "inFlight", label: "requests", cls: "b", format: num }], { unit: "count", yLabel: "count" }, t, span),
+          chart(m, "Encoder-cache hit rate", "cache", [{ key: "rate", label: "hits", cls: "a" }], { unit: "percent", max: 1, yLabel: "hits / lookups", empty: "no media encoded yet" }, t, span),
+          chart(m, "Time to first token", "ttft", [{ key: "ttft", label: "mean", cls: "a" }], { unit: "seconds", emptyMax: 0.1, yLabel: "mean TTFT", empty: "no requests yet" }, t, span),
         ),
       );
     }

@@ -7,6 +7,7 @@ photographed at desktop and phone width."""
 from __future__ import annotations
 
 import base64
+import itertools
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -421,23 +422,92 @@ def test_inferlet_sends_appear_in_order(page, ui_server: UiServer, wasm: Path, s
     shot(page, "inferlets")
 
 
+CHART_AXES = """(fig) => {
+    const svg = fig.querySelector("svg.timechart");
+    const texts = (cls) => [...svg.querySelectorAll("text." + cls)];
+    return {
+        yticks: texts("ytick").map((t) => ({ text: t.textContent, value: Number(t.dataset.value), y: Number(t.getAttribute("y")) })),
+        xticks: texts("xtick").map((t) => ({ text: t.textContent, t: Number(t.dataset.t), x: Number(t.getAttribute("x")) })),
+        ylabel: texts("ylabel").map((t) => t.textContent).join(""),
+        nodata: texts("nodata").map((t) => t.textContent).join(""),
+        span: fig.querySelector("figcaption .span").textContent,
+        lines: Object.fromEntries([...svg.querySelectorAll("[data-series]")].map((n) => [n.dataset.series,
+            n.tagName === "circle" ? [[Number(n.getAttribute("cx")), Number(n.getAttribute("cy"))]]
+                : n.getAttribute("points").split(" ").map((p) => p.split(",").map(Number))])),
+        width: svg.getBoundingClientRect().width,
+    };
+}"""
+
+
+def chart_axes(page, model: str, chart: str) -> dict:
+    return page.locator(f".chart[data-chart='{chart}'][data-model='{model}']").evaluate(CHART_AXES)
+
+
+def value_at(axes: dict, y: float) -> float:
+    """The value a point at height y stands for, read off the chart's own y ticks."""
+    lo, hi = axes["yticks"][0], axes["yticks"][-1]
+    return lo["value"] + (y - lo["y"]) / (hi["y"] - lo["y"]) * (hi["value"] - lo["value"])
+
+
 def test_server_panel_draws_live_charts(page, ui_server: UiServer, shot) -> None:
+    """Each chart reads as a Grafana panel of the same series would: a y scale from 0 in the
+    series' unit, clock time along x over the last minutes (up to 5; fewer while the page is
+    new), the line where the scale says its value is, and "no data" words (not a bare line)
+    for a series with none."""
+    api_chat(ui_server, [{"role": "user", "content": "Hi"}], 1)  # a time to first token, run alone too
     page.click("#tab-server")
     for name in (QWEN, "tiny-csm"):
         page.wait_for_selector(f"#server-models td:text('{name}')")
-    for chart in ("kv", "contexts", "cache", "ttft"):
-        page.wait_for_selector(
-            f".chart[data-chart='{chart}'][data-model='{QWEN}'] polyline", state="attached"
-        )
+    kv = f".chart[data-chart='kv'][data-model='{QWEN}']"
+    page.wait_for_selector(f"{kv} polyline[data-series='free']", state="attached")  # two scrapes or more
     used = int(metric(ui_server, "pie_media_kv_pages", model=QWEN, state="used"))  # the server is idle now
     free = int(metric(ui_server, "pie_media_kv_pages", model=QWEN, state="free"))
-    value = f".chart[data-chart='kv'][data-model='{QWEN}'] .value"
     until(
-        page, f"document.querySelector(\"{value}\").textContent === 'used {used} · free {free}'", timeout=10
+        page,
+        f"document.querySelector(\"{kv} .value\").textContent === 'used {used} · free {free}'",
+        timeout=10,
     )
-    points = page.get_attribute(f".chart[data-chart='kv'][data-model='{QWEN}'] polyline", "points")
-    assert len(points.split()) >= 2  # a line over time, not one number
-    assert "ms" in page.inner_text(f".chart[data-chart='ttft'][data-model='{QWEN}'] .value")
+
+    for model in (QWEN, "tiny-csm"):
+        for chart in ("kv", "contexts", "cache", "ttft"):
+            axes = chart_axes(page, model, chart)
+            minutes = int(axes["span"].removeprefix("last ").removesuffix(" min"))
+            assert axes["span"] == f"last {minutes} min" and 1 <= minutes <= 5 and axes["ylabel"], axes
+            ys = axes["yticks"]
+            assert len(ys) >= 3 and ys[0]["value"] == 0, ys
+            assert all(a["value"] < b["value"] and a["y"] > b["y"] for a, b in itertools.pairwise(ys)), ys
+            xs = axes["xticks"]  # round clock times across the window, as the browser's clock shows them
+            assert len(xs) >= 3, xs
+            step = xs[1]["t"] - xs[0]["t"]
+            assert step in (15_000, 30_000, 60_000), xs
+            assert all(b["t"] - a["t"] == step and a["x"] < b["x"] for a, b in itertools.pairwise(xs)), xs
+            for x in xs:
+                clock = time.localtime(x["t"] / 1000)
+                expect = time.strftime("%H:%M", clock) if clock.tm_sec == 0 else f":{clock.tm_sec:02d}"
+                assert x["text"] == expect, x
+            assert time.time() * 1000 - minutes * 60_000 <= xs[0]["t"] and xs[-1]["t"] <= time.time() * 1000
+            assert axes["width"] > 150
+    cache = chart_axes(page, QWEN, "cache")
+    assert [t["text"] for t in cache["yticks"]] == ["0%", "25%", "50%", "75%", "100%"]
+    assert all(t["text"].endswith((" ms", " s")) for t in chart_axes(page, QWEN, "ttft")["yticks"])
+    ttft = f".chart[data-chart='ttft'][data-model='{QWEN}']"
+    until(
+        page, f'document.querySelector("{ttft} .value").textContent.match(/^mean [0-9.]+ m?s$/)', timeout=10
+    )
+
+    # the lines sit where the scale says: free pages near their count, used pages on the zero line
+    axes = chart_axes(page, QWEN, "kv")
+    top = axes["yticks"][-1]["value"]
+    assert top >= free
+    newest_free = axes["lines"]["free"][-1]
+    assert value_at(axes, newest_free[1]) == pytest.approx(free, abs=top * 0.01)
+    assert value_at(axes, axes["lines"]["used"][-1][1]) == pytest.approx(used, abs=top * 0.01)
+    assert newest_free[0] > axes["xticks"][-1]["x"]  # the newest sample is at "now", right of the last minute
+    assert len(axes["lines"]["free"]) >= 2  # a line over time, not one number
+
+    # a series with no sample says so instead of drawing a line
+    speech_cache = chart_axes(page, "tiny-csm", "cache")
+    assert speech_cache["nodata"] == "no media encoded yet" and speech_cache["lines"] == {}
     shot(page, "server")
 
 
