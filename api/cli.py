@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from api.batch.command import add_caption_arguments, run_caption_command
 from api.inferlet_cmd import add_inferlet_parser, run_inferlet
 from api.serve_cmd import add_serve_parser, run_serve
 
@@ -25,37 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="one JSON object per line")
 
     cap = sub.add_parser(
-        "caption", help="caption images with a model (tiny random models write meaningless words)"
+        "caption",
+        help="caption images, videos and audio with a model, or a dataset as a batch job "
+        "(tiny random models write meaningless words)",
     )
-    cap.add_argument("files", nargs="+", help="image files or directories (searched recursively)")
-    cap.add_argument(
-        "--model", default="tiny", help="checkpoint directory or tiny model name (default: tiny)"
-    )
-    cap.add_argument("--prompt", default="Describe this image.")
-    cap.add_argument("--max-tokens", type=int, default=32)
-    cap.add_argument("--json", action="store_true", help="one JSON object per line")
-    cap.add_argument(
-        "--out",
-        default=None,
-        help="batch job: append one JSON record per file to this JSONL (resumable: a rerun "
-        "skips files already recorded); progress goes to stderr",
-    )
-    cap.add_argument(
-        "--concurrency", type=int, default=8, help="captions in flight at once with --out (default 8)"
-    )
-    cap.add_argument("--no-progress", action="store_true", help="no progress bar with --out")
-    cap.add_argument(
-        "--ray",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="run on Ray Data (pip install .[ray]): a local instance, or a cluster ADDRESS (auto, ray://host:10001); "
-        "needs --out (.jsonl or .parquet)",
-    )
-    cap.add_argument(
-        "--replicas", type=int, default=2, help="engine replicas (Ray actors) with --ray (default 2)"
-    )
+    add_caption_arguments(cap)
 
     sp = sub.add_parser("speak", help="text to speech with a CSM model (tiny random weights make noise)")
     sp.add_argument("text")
@@ -103,43 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pie-media: {e}", file=sys.stderr)
             return 2
     if args.command == "caption":
-        from api.batch.command import run_caption
         from media import PieMediaError
 
         if args.max_tokens < 1:
             print("pie-media: --max-tokens must be >= 1", file=sys.stderr)
             return 2
-        if args.concurrency < 1:
-            print("pie-media: --concurrency must be >= 1", file=sys.stderr)
-            return 2
-        if args.ray is not None:
-            if args.out is None:
-                print("pie-media: --ray needs --out FILE.jsonl or FILE.parquet", file=sys.stderr)
-                return 2
-            from api.batch.ray_runner import caption_with_ray
-
-            summary = caption_with_ray(
-                args.files,
-                args.out,
-                model=args.model,
-                prompt=args.prompt,
-                max_tokens=args.max_tokens,
-                replicas=args.replicas,
-                address=None if args.ray == "local" else args.ray,
-            )
-            print(f"{args.out}: {summary}", file=sys.stderr)
-            return 1 if summary.errors else 0
         try:
-            return run_caption(
-                args.files,
-                model=args.model,
-                prompt=args.prompt,
-                max_tokens=args.max_tokens,
-                as_json=args.json,
-                out=args.out,
-                concurrency=args.concurrency,
-                progress=not args.no_progress,
-            )
+            return run_caption_command(args)
         except (FileNotFoundError, ValueError, PieMediaError) as e:  # unknown model, bad checkpoint, ...
             print(f"pie-media: {e}", file=sys.stderr)
             return 2

@@ -30,6 +30,7 @@ from typing import Any
 from api.batch.file_source import expand_paths
 from api.batch.journal import JournalWriter, read_records
 from api.batch.records import error_dict, make_record
+from api.batch.sources import open_shards
 
 DEFAULT_BATCH = 8
 
@@ -59,12 +60,21 @@ class Prepare:
         self.encoder = encoder_for(model_dir, load_weights=False)
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
-        from media import Image, PieMediaError, content_hash
+        from media import PieMediaError, content_hash, open_media
 
         # The error travels as JSON text ("" = none): Arrow would turn dicts into structs of nulls.
-        data, out = row["bytes"], {"file": row["file"], "prepared": None, "error": "", "content_hash": ""}
+        data, out = (
+            row["bytes"],
+            {
+                "file": row["file"],
+                "shard": row.get("shard", ""),
+                "prepared": None,
+                "error": "",
+                "content_hash": "",
+            },
+        )
         try:
-            image = Image.from_bytes(data)
+            image = open_media(data)
             out["content_hash"] = image.content_hash
             out["prepared"] = self.encoder.prepare(image)
         except PieMediaError as e:
@@ -91,23 +101,43 @@ class Caption:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         from engine import caption_async, run_sync
 
-        async def one(file: str, h: str, prepared: Any, error: str) -> dict[str, Any]:
-            file, h = str(file), str(h) or None
+        async def one(file: str, shard: str, h: str, prepared: Any, error: str) -> dict[str, Any]:
+            file, shard, h = str(file), str(shard), str(h) or None
             if error:
-                return make_record(file, self.settings, content_hash=h, error=json.loads(str(error)))
+                return make_record(
+                    file,
+                    self.settings,
+                    content_hash=h,
+                    error=json.loads(str(error)),
+                    extra=_extra(file, shard),
+                )
             t0 = time.perf_counter()
             try:
                 text = await caption_async(
                     self.model, prepared, prompt=self.prompt, max_tokens=self.max_tokens
                 )
             except Exception as e:  # one file's failure is its record
-                return make_record(file, self.settings, content_hash=h, error=error_dict(e))
+                return make_record(
+                    file, self.settings, content_hash=h, error=error_dict(e), extra=_extra(file, shard)
+                )
             return make_record(
-                file, self.settings, content_hash=h, caption=text, elapsed_s=time.perf_counter() - t0
+                file,
+                self.settings,
+                content_hash=h,
+                caption=text,
+                elapsed_s=time.perf_counter() - t0,
+                extra=_extra(file, shard),
             )
 
         async def all_rows() -> list[dict[str, Any]]:
-            rows = zip(batch["file"], batch["content_hash"], batch["prepared"], batch["error"], strict=True)
+            rows = zip(
+                batch["file"],
+                batch["shard"],
+                batch["content_hash"],
+                batch["prepared"],
+                batch["error"],
+                strict=True,
+            )
             return list(await asyncio.gather(*(one(*r) for r in rows)))
 
         # JSON text: Arrow would merge the records' different keys into one struct schema.
@@ -139,6 +169,7 @@ def caption_with_ray(
     replicas: int = 2,
     address: str | None = None,
     batch_size: int = DEFAULT_BATCH,
+    column: str | None = None,
 ) -> RaySummary:
     """Caption every file of ``sources`` into ``out`` (see the module docstring)."""
     from api.model_ref import resolve_model_dir
@@ -151,6 +182,7 @@ def caption_with_ray(
     local = [s for s in sources if "://" not in s]
     remote = [s for s in sources if "://" in s]
     files = [str(f) for f in expand_paths(local, exclude=out)]
+    shard_of = {name: s.id for s in open_shards(local, exclude=out) if s.kind == "files" for name in s.names}
     done: set[str] = set()
     if out.suffix == ".jsonl":
         records, _ = read_records(out)
@@ -165,7 +197,11 @@ def caption_with_ray(
     try:
         parts = []
         if todo:
-            parts.append(ray.data.from_items([{"file": f} for f in todo]).map(_read_local))
+            parts.append(
+                ray.data.from_items([{"file": f, "shard": shard_of.get(f, "")} for f in todo]).map(
+                    _read_local
+                )
+            )
         if remote:
             parts.append(ray.data.read_binary_files(remote, include_paths=True).map(_rename_path))
         if not parts:
@@ -205,17 +241,22 @@ def caption_with_ray(
     return summary
 
 
+def _extra(file: str, shard: str) -> dict[str, Any]:
+    """The record's key and shard, as the single-process job writes them."""
+    return {"key": file, "shard": shard} if shard else {}
+
+
 def _read_local(row: dict[str, Any]) -> dict[str, Any]:
     path = Path(row["file"])
     try:
         data = path.read_bytes()
     except OSError:
         data = b""
-    return {"file": row["file"], "bytes": data}
+    return {"file": row["file"], "shard": row["shard"], "bytes": data}
 
 
 def _rename_path(row: dict[str, Any]) -> dict[str, Any]:
-    return {"file": row["path"], "bytes": row["bytes"]}
+    return {"file": row["path"], "shard": "", "bytes": row["bytes"]}
 
 
 def _flat(row: dict[str, Any]) -> dict[str, Any]:

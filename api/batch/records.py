@@ -42,3 +42,63 @@ def error_dict(e: BaseException) -> dict[str, Any]:
     if callable(to_dict):
         return to_dict()
     return {"code": getattr(e, "code", None) or type(e).__name__, "message": str(e)}
+
+
+ROW_FIELDS = (
+    ("file", "string"),
+    ("key", "string"),
+    ("shard", "string"),
+    ("content_hash", "string"),
+    ("caption", "string"),
+    ("error", "string"),
+    ("prompt", "string"),
+    ("model", "string"),
+    ("max_tokens", "int64"),
+    ("segment", "int64"),
+    ("start", "float64"),
+    ("end", "float64"),
+    ("elapsed_s", "float64"),
+    ("structured", "string"),
+    ("settings", "string"),
+)
+"""A record as a Parquet row: fixed columns, the error, a structured caption and the
+job's other settings as JSON text (Arrow would turn differently shaped dicts into
+structs of nulls)."""
+
+
+def to_row(rec: dict[str, Any]) -> dict[str, Any]:
+    import json
+
+    known = {name for name, _ in ROW_FIELDS}
+    row = {name: rec.get(name) for name, _ in ROW_FIELDS}
+    row["error"] = json.dumps(rec["error"], ensure_ascii=False) if "error" in rec else None
+    row["structured"] = json.dumps(rec["structured"], ensure_ascii=False) if "structured" in rec else None
+    rest = {k: v for k, v in rec.items() if k not in known}
+    row["settings"] = json.dumps(rest, ensure_ascii=False, sort_keys=True) if rest else None
+    return row
+
+
+def from_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The record a Parquet row holds (``to_row`` undone)."""
+    import json
+
+    rec: dict[str, Any] = {}
+    for name, _ in ROW_FIELDS:
+        value = row.get(name)
+        if value is None:
+            continue
+        if name in ("error", "structured", "settings"):
+            value = json.loads(value)
+        if name == "settings":
+            rec.update(value)
+        else:
+            rec[name] = value
+    if "error" not in rec and "caption" not in rec:
+        rec["caption"] = None
+    return rec
+
+
+def arrow_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema([(name, getattr(pa, t)()) for name, t in ROW_FIELDS])
