@@ -33,8 +33,29 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--api-key-file",
         type=Path,
         default=None,
-        help="one API key per line (also PIE_MEDIA_API_KEYS, comma-separated); required "
-        "unless bound to loopback",
+        help="API keys: one per line, or named keys with roles (admin/user) and limits as TOML "
+        "[[keys]] tables or JSON (README); also PIE_MEDIA_API_KEYS, comma-separated; required unless "
+        "bound to loopback. Each key's stored objects are its own; SIGHUP re-reads the file",
+    )
+    sv.add_argument(
+        "--audit-log",
+        type=Path,
+        default=None,
+        help="append the audit lines (create/delete/cancel of stored objects, by key name) to this "
+        "file (default: standard error)",
+    )
+    sv.add_argument(
+        "--metrics-open",
+        action="store_true",
+        default=None,
+        help="serve /metrics to any caller (default: it needs an admin key when there is one)",
+    )
+    sv.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        default=None,
+        help="single-tenant deployments: reuse prefix-cache pages and encoder outputs across keys "
+        "(default: only within one key's tenant)",
     )
     sv.add_argument(
         "--media-dir",
@@ -193,6 +214,9 @@ def run_serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "api_key_file": args.api_key_file,
+        "metrics_open": getattr(args, "metrics_open", None),
+        "audit_log": getattr(args, "audit_log", None),
+        "share_prefix_cache": getattr(args, "share_prefix_cache", None),
         "state_dir": args.state_dir,
         "state_db": args.state_db,
         "allowed_media_domains": args.allowed_media_domains,

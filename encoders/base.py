@@ -16,6 +16,7 @@ from typing import Any, Self
 import torch
 
 from encoders.cache import EncoderCache
+from encoders.cache_scope import cache_scope
 from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
 from encoders.prepared import Encoded, MediaKind, Prepared
 from media import Audio, Image, InvalidRequestError, Video, check_int, check_number
@@ -138,8 +139,12 @@ class MediaEncoder(ABC):
             )
 
     def cache_key(self, content_hash: str, kind: str, params: dict[str, Any]) -> str:
+        """The key of the prepared item and its encoder output, under the current cache
+        scope (``encoders.cache_scope``: one tenant's hits never answer another's)."""
         p = json.dumps(params, sort_keys=True, default=str)
-        return f"{self.fingerprint}:{kind}:{content_hash}:{p}"
+        scope = cache_scope()
+        key = f"{self.fingerprint}:{kind}:{content_hash}:{p}"
+        return f"{key}:scope={json.dumps(scope)}" if scope else key
 
     # -- subclass hooks -------------------------------------------------------------------
     @abstractmethod

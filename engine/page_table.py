@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from encoders import cache_scope
 from engine.kv_pool import KVPool
 from engine.page_hashing import MediaRow, PageKey, page_key
 
@@ -58,6 +59,9 @@ class PageTable:
 
     def __init__(self, pool: KVPool):
         self.pool = pool
+        self.namespace = cache_scope().encode()
+        """The cache scope the table was made under (``encoders.cache_scope``): part of every
+        page key, so pages are shared only within one scope (a tenant, a ``cache_salt``)."""
         self._salts: list[tuple[int, bytes]] = [(0, b"")]
         """(first row, identity of the LoRA adapter stack) segments: which stack each row's
         K/V was computed under. A page's key names every stack its rows saw, so a page
@@ -104,6 +108,10 @@ class PageTable:
             self._salts.append((from_row, salt))
 
     def _page_salt(self, idx: int) -> bytes:
+        salt = self._stack_salt(idx)
+        return b"S" + self.namespace + b"|" + salt if self.namespace else salt
+
+    def _stack_salt(self, idx: int) -> bytes:
         """The salt of page ``idx``'s key: its stack, or each stack with its first row in
         the page when its rows straddle a change."""
         if len(self._salts) == 1:
@@ -205,6 +213,7 @@ class PageTable:
     def fork(self, rows: int) -> PageTable:
         """A new table holding the pages of the first ``rows`` rows by reference."""
         child = PageTable(self.pool)
+        child.namespace = self.namespace
         held = self.covering(rows)
         self.pool.incref(held)
         child._pages = list(held)

@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.http.audit import configure_audit_log
 from api.http.deps import Service
 from api.http.errors import install_error_handlers
 from api.http.files_store import FileStore
@@ -28,7 +29,7 @@ from api.http.openapi import install_openapi
 from api.http.registry import ModelRegistry, ServedModel, add_lora_modules
 from api.http.responses_store import ResponseStore
 from api.http.routes import ROUTERS, batches, health, ui
-from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, bearer_auth
+from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, admin_only, bearer_auth
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
 from engine import freeze_startup_heap, unfreeze_startup_heap
@@ -66,6 +67,47 @@ class _RequestMetrics:
         await self.app(scope, receive, send_wrapper)
 
 
+def _announce_tenancy(keys: ApiKeys, settings: ServeSettings, store: MediaStore) -> None:
+    """Say once at start-up how keys isolate, and that state from before belongs to admins."""
+    if not keys.enabled:
+        return
+    legacy = store.legacy_count()
+    if legacy:
+        log.warning(
+            "%d uploads (and any files, jobs, batches, responses) stored before keys isolated belong "
+            "to the admin role: only admin keys see them",
+            legacy,
+        )
+    if not keys.has_admin:
+        log.warning(
+            "%r: no admin key, so /metrics takes any key; name an admin in a TOML/JSON key file to "
+            "keep it to operators",
+            keys,
+        )
+    else:
+        log.info("%r; stored objects are isolated per tenant", keys)
+
+
+def _install_key_reload(keys: ApiKeys) -> Callable[[], None]:
+    """SIGHUP re-reads the key file (a removed key stops working at once); returns the undo.
+    Only the main thread's loop can take a signal handler (uvicorn's); elsewhere, nothing."""
+    import signal
+
+    def reload() -> None:
+        try:
+            keys.reload()
+            log.info("keys reloaded on SIGHUP: %r", keys)
+        except (OSError, ValueError) as e:
+            log.error("SIGHUP: the key file could not be read, the old keys stay: %s", e)
+
+    try:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, reload)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return lambda: None
+    return lambda: loop.remove_signal_handler(signal.SIGHUP)
+
+
 def _served_name(ref: str, model: Any) -> str:
     return str(getattr(model, "name", None) or ref)
 
@@ -80,6 +122,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
             return load_model(ref, **settings.model_load_options())
 
     keys = ApiKeys.from_sources(settings.api_key_file)
+    configure_audit_log(settings.audit_log)
     registry = ModelRegistry()
 
     def index(sqlite_path: Any) -> Any:  # SQLite beside the store, or the shared database
@@ -120,6 +163,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         inferlet_store=InferletStore(settings.state_dir),
         inferlet_runs=runs,
     )
+    service.job_runner.share_caches = settings.share_prefix_cache
     service.job_runner.batch_line = functools.partial(batches.run_line, service)
     service.job_runner.on_batch_done = functools.partial(batches.write_outputs, service)
 
@@ -145,11 +189,14 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
             limits=RunLimits(wall_s=settings.inferlet_wall_s),
         )
         registry.ready = True
+        _announce_tenancy(keys, settings, store)
+        reload_keys = _install_key_reload(keys)
         await service.job_runner.resume_all()  # jobs a killed server left unfinished
         frozen = freeze_startup_heap()  # the loaded heap out of the GC's walks (startup_heap.py)
         log.info("startup heap frozen: %d objects the garbage collector will skip", frozen)
         yield
         registry.ready = False
+        reload_keys()
         unfreeze_startup_heap()
         await service.inferlet_runs.shutdown()
         await service.job_runner.shutdown()
@@ -161,9 +208,11 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         lifespan=lifespan,
     )
     app.state.service = service
+    app.state.keys = keys
+    app.state.operator_check = admin_only(keys, open_to_keys=settings.metrics_open)
     install_error_handlers(app, on_error=lambda code: service.metrics.media_errors.labels(code).inc())
     install_openapi(app, Service.error_responses(400)[400]["description"])  # 400, not FastAPI's 422
-    auth = [Depends(bearer_auth(keys))] if keys.enabled else []
+    auth = [Depends(bearer_auth(keys, share_caches=settings.share_prefix_cache))] if keys.enabled else []
     app.include_router(health.router)
     app.include_router(ui.router)  # the static page; its API calls carry the key
     for r in ROUTERS:

@@ -11,6 +11,7 @@ from api.http.deps import Service
 from api.http.registry import ServedModel
 from api.http.schemas import PromptTokensDetails, ResponseFormat, Usage
 from api.http.settings import ServeSettings
+from api.http.tenancy import current_caller, enter
 from engine import (
     Completion,
     CompletionParams,
@@ -185,3 +186,11 @@ class TokenTiming:
         m = self.service.metrics
         m.prompt_tokens.labels(self.name).inc(completion.prompt_tokens)
         m.generated_tokens.labels(self.name).inc(sum(completion.completion_tokens))
+
+
+def scope_caches(service: Service, salt: str | None) -> None:
+    """A request's ``cache_salt`` narrows its cache scope (vLLM's): from here on in this
+    task, prefix pages and encoder outputs are shared only with requests of the same tenant
+    and salt. Without a salt the bearer check's scope (the tenant) stands."""
+    if salt is not None:
+        enter(current_caller(), shared_caches=service.settings.share_prefix_cache, salt=salt)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from api.http.errors import ServiceError
+from encoders import cache_scope
 from inferlets import InferletRun, InferletRuntime, RunLimits
 from inferlets.host.errors import InferletLimitError
 from media.errors import PieMediaError
@@ -32,6 +33,8 @@ class RunRecord:
     id: str
     inferlet_id: str
     args: list[str]
+    tenant: str = ""
+    """Whose run it is (the key that launched it): only that tenant and admins see it."""
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: Status = "running"
     result: str | None = None
@@ -66,8 +69,10 @@ class RunTable:
         """Runs not finished yet."""
         return sum(1 for r in self._runs.values() if not r.done)
 
-    def get(self, run_id: str) -> RunRecord | None:
-        return self._runs.get(run_id)
+    def get(self, run_id: str, *, scope: str | None = None) -> RunRecord | None:
+        """The run, or None (also when ``scope``, a tenant, did not launch it)."""
+        rec = self._runs.get(run_id)
+        return rec if rec is not None and (scope is None or rec.tenant == scope) else None
 
     def start(
         self,
@@ -78,6 +83,7 @@ class RunTable:
         limits: RunLimits,
         messages: list[str],
         close_input: bool,
+        tenant: str = "",
     ) -> RunRecord:
         """Launch the run now (on the running loop); its events go to ``record.events``.
         ``queue_full`` (429) when ``max_running`` runs are going."""
@@ -89,7 +95,11 @@ class RunTable:
                 retry_after=1,
                 limit=self.max_running,
             )
-        rec = RunRecord(id=f"run-{uuid.uuid4().hex[:24]}", inferlet_id=inferlet_id, args=list(args))
+        rec = RunRecord(
+            id=f"run-{uuid.uuid4().hex[:24]}", inferlet_id=inferlet_id, args=list(args), tenant=tenant
+        )
+        rec.control.namespace = tenant
+        rec.control.cache_scope = cache_scope()  # the request's (its tenant's) cache scope
         for m in messages:
             rec.control.post(m)
         if close_input:

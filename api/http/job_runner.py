@@ -28,6 +28,7 @@ from api.http.jobs_store import JobRecord, JobStore
 from api.http.media_refs import MediaResolver
 from api.http.registry import ModelRegistry
 from api.http.store import MediaStore
+from api.http.tenancy import enter, owner_of_tenant
 from engine import caption_async
 from media import PieMediaError
 
@@ -67,6 +68,8 @@ class JobRunner:
             None
         )
         self.on_batch_done: Callable[[str], Awaitable[None]] | None = None
+        self.share_caches = False
+        """``--share-prefix-cache``: a job's lines reuse caches across tenants too."""
 
     def __repr__(self) -> str:
         return f"JobRunner(running={sorted(self._tasks)})"
@@ -151,6 +154,9 @@ class JobRunner:
         job = await asyncio.to_thread(self.jobs.get, job_id)
         if job is None or job.finished:
             return
+        # The job's lines run as its creator (this task's own context): a batch line's
+        # pie-media:// reference reaches that tenant's uploads only, after a restart too.
+        enter(owner_of_tenant(job.tenant), shared_caches=self.share_caches)
         try:
             model = self.models.get(job.model, kind="chat").model
         except PieMediaError as e:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from api.http.index_db import IndexDB, SqliteIndex
+from api.http.sql_dialect import tenant_clause
 
 FINAL = ("completed", "cancelled", "failed")
 
@@ -62,7 +63,7 @@ CREATE TABLE IF NOT EXISTS job_items (
 """
 _JOB_COLUMNS = (
     "id, kind, meta, status, model, prompt, max_tokens, concurrency, total, created_at, started_at, "
-    "finished_at, error"
+    "finished_at, error, tenant"
 )
 _LIVE = "('queued', 'running')"
 
@@ -83,6 +84,8 @@ class JobRecord:
     started_at: float | None
     finished_at: float | None
     error: str | None
+    tenant: str = ""
+    """Who made it (``api.http.tenancy``): only that tenant and admins see it."""
     done: int = 0
     failed: int = 0
 
@@ -106,6 +109,7 @@ class JobStore:
             ("job_items", "claimed_at", "DOUBLE PRECISION"),
             ("jobs", "final_by", "TEXT"),
             ("jobs", "final_at", "DOUBLE PRECISION"),
+            ("jobs", "tenant", "TEXT NOT NULL DEFAULT ''"),
         ):  # (columns a store made by an older version lacks)
             self._db.add_column(table, column, decl)
         if not self._db.shared:
@@ -135,6 +139,7 @@ class JobStore:
         kind: str = "captions",
         meta: dict[str, Any] | None = None,
         prefix: str = "job-",
+        tenant: str = "",
     ) -> JobRecord:
         """A queued job over ``items`` = (name, media id, error record, payload), each optional
         but the name: an item that already failed at submission (an undecodable upload, a
@@ -158,7 +163,7 @@ class JobStore:
         with self._lock, self._db.transaction():
             self._db.execute(
                 "INSERT INTO jobs (id, kind, meta, status, model, prompt, max_tokens, concurrency, total, "
-                "created_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+                "created_at, tenant) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job_id,
                     kind,
@@ -169,6 +174,7 @@ class JobStore:
                     concurrency,
                     len(items),
                     now,
+                    tenant,
                 ),
             )
             self._db.executemany(
@@ -180,9 +186,13 @@ class JobStore:
         assert job is not None
         return job
 
-    def get(self, job_id: str) -> JobRecord | None:
+    def get(self, job_id: str, *, scope: str | None = None) -> JobRecord | None:
+        """The job, or None (also when ``scope``, a tenant, may not see it)."""
+        mine, param = tenant_clause(scope)
         with self._lock:
-            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?{mine}", (job_id, *param)
+            ).fetchone()
             if row is None:
                 return None
             counts = dict(
@@ -195,12 +205,14 @@ class JobStore:
             job_id, kind, json.loads(meta), *rest, done=counts.get("done", 0), failed=counts.get("failed", 0)
         )
 
-    def list(self, limit: int = 100, kind: str = "captions") -> list[JobRecord]:
+    def list(self, limit: int = 100, kind: str = "captions", *, scope: str | None = None) -> list[JobRecord]:
+        mine, param = tenant_clause(scope)
         with self._lock:
             ids = [
                 r[0]
                 for r in self._db.execute(
-                    "SELECT id FROM jobs WHERE kind = ? ORDER BY created_at DESC LIMIT ?", (kind, limit)
+                    f"SELECT id FROM jobs WHERE kind = ?{mine} ORDER BY created_at DESC LIMIT ?",
+                    (kind, *param, limit),
                 ).fetchall()
             ]
         return [j for j in map(self.get, ids) if j is not None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from api.http.errors import ServiceError
 from api.http.security import LocalMediaPolicy, MediaFetcher
 from api.http.store import MediaStore
+from api.http.tenancy import current_caller
 from media import Audio, Image, InvalidRequestError, MediaLimits, Video, content_hash, decode_data_url
 
 DECODERS: dict[str, Any] = {"image": Image, "audio": Audio, "video": Video}
@@ -139,12 +141,13 @@ class MediaResolver:
         return await self.decode(data, kind)
 
     async def from_upload(self, media_id: str, kind: str) -> Any:
-        record = await asyncio.to_thread(self.store.get, media_id)
+        scope = current_caller().scope  # another tenant's upload is as unknown as a missing one
+        record = await asyncio.to_thread(functools.partial(self.store.get, media_id, scope=scope))
         if record is None:
             raise ServiceError("media_not_found", f"no uploaded media with id {media_id!r}", param="url")
         if record.kind != kind:
             raise InvalidRequestError(f"{UPLOAD_SCHEME}{media_id} is {record.kind}, not {kind}", kind=kind)
-        data = await asyncio.to_thread(self.store.read_bytes, media_id)
+        data = await asyncio.to_thread(functools.partial(self.store.read_bytes, media_id, scope=scope))
         return await self.decode(data, kind)
 
     async def decode(self, data: bytes, kind: str) -> Any:

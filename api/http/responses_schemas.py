@@ -129,6 +129,7 @@ class ResponsesRequest(_Lenient):
         default=None, max_length=32, description='extension (vLLM): e.g. {"enable_thinking": true}'
     )
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    cache_salt: str | None = Field(default=None, max_length=256, description="extension (vLLM), as on chat")
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
 

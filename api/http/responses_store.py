@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from api.http.index_db import IndexDB, SqliteIndex
+from api.http.sql_dialect import tenant_clause
 
 _ID = re.compile(r"^resp_[0-9a-f]{32}$")
 
@@ -26,6 +27,7 @@ class ResponseStore:
             "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, created_at {REAL} NOT NULL, "
             "body TEXT NOT NULL, conversation TEXT NOT NULL)"
         )
+        self._db.add_column("responses", "tenant", "TEXT NOT NULL DEFAULT ''")
 
     def __repr__(self) -> str:
         return "ResponseStore()"
@@ -33,25 +35,35 @@ class ResponseStore:
     def close(self) -> None:
         self._db.close()
 
-    def put(self, response_id: str, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def put(
+        self, response_id: str, body: dict[str, Any], conversation: list[dict[str, Any]], *, tenant: str = ""
+    ) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO responses VALUES (?, ?, ?, ?)",
-                (response_id, time.time(), json.dumps(body), json.dumps(conversation)),
+                "INSERT INTO responses (id, created_at, body, conversation, tenant) VALUES (?, ?, ?, ?, ?)",
+                (response_id, time.time(), json.dumps(body), json.dumps(conversation), tenant),
             )
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        """(the response, its conversation), or None."""
+    def get(
+        self, response_id: str, *, scope: str | None = None
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """(the response, its conversation), or None (also when ``scope``, a tenant, may not
+        see it)."""
         if not _ID.match(response_id):
             return None
+        mine, param = tenant_clause(scope)
         with self._lock:
             row = self._db.execute(
-                "SELECT body, conversation FROM responses WHERE id = ?", (response_id,)
+                f"SELECT body, conversation FROM responses WHERE id = ?{mine}", (response_id, *param)
             ).fetchone()
         return (json.loads(row[0]), json.loads(row[1])) if row else None
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str, *, scope: str | None = None) -> bool:
         if not _ID.match(response_id):
             return False
+        mine, param = tenant_clause(scope)
         with self._lock:
-            return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount == 1
+            return (
+                self._db.execute(f"DELETE FROM responses WHERE id = ?{mine}", (response_id, *param)).rowcount
+                == 1
+            )

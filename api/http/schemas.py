@@ -169,6 +169,12 @@ class GenerationRequest(_Lenient):
     ignore_eos: bool = Field(default=False, description="extension (vLLM): generate through EOS")
     n: int = Field(default=1, ge=1, le=16)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    cache_salt: str | None = Field(
+        default=None,
+        max_length=256,
+        description="extension (vLLM): prefix-cache pages are shared only among requests with the same "
+        "salt (and, unless the server shares caches, the same key's tenant)",
+    )
     """A 64-bit integer, as in OpenAI's schema."""
     stop: str | list[str] | None = None
     stream: bool = False

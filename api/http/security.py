@@ -7,13 +7,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import json
 import os
+import tomllib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import Field as PydField
 
 from api.http.remote_media import (
     METADATA_ADDRESSES,
@@ -26,12 +30,17 @@ from api.http.remote_media import (
     RemoteMediaTooLargeError,
     address_refusal,
 )
+from api.http.tenancy import ANONYMOUS, Caller, KeyLimits, Role, enter
 from media import PieMediaError
 
 __all__ = [
     "METADATA_ADDRESSES",
     "ApiKeys",
     "ApiKeysRequiredError",
+    "KeyEntry",
+    "KeyFileError",
+    "admin_only",
+    "parse_key_file",
     "FetchedMedia",
     "LocalMediaPolicy",
     "MediaFetcher",
@@ -59,13 +68,108 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
-class ApiKeys:
-    """The accepted bearer tokens. ``check`` compares against every key with
-    ``hmac.compare_digest`` and never stops at the first match."""
+class KeyFileError(PieMediaError, ValueError):
+    """The key file cannot be read as keys (a named entry's field, a duplicate name)."""
 
-    def __init__(self, keys: Iterable[str] = ()):
-        cleaned = {k.strip() for k in keys if k and k.strip()}
-        self._digests = tuple(_digest(k) for k in sorted(cleaned))
+    code = "invalid_key_file"
+
+
+class KeyEntry(BaseModel):
+    """One named key of a TOML (``[[keys]]``) or JSON key file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = PydField(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")
+    key: str | None = PydField(default=None, min_length=8)
+    sha256: str | None = PydField(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+    role: Role = "user"
+    tenant: str | None = PydField(default=None, min_length=1, max_length=64)
+    requests_per_minute: int | None = PydField(default=None, ge=1)
+    tokens_per_minute: int | None = PydField(default=None, ge=1)
+    max_concurrent_streams: int | None = PydField(default=None, ge=1)
+    max_stored_bytes: int | None = PydField(default=None, ge=0)
+
+    def caller(self) -> Caller:
+        limits = KeyLimits(
+            requests_per_minute=self.requests_per_minute,
+            tokens_per_minute=self.tokens_per_minute,
+            max_concurrent_streams=self.max_concurrent_streams,
+            max_stored_bytes=self.max_stored_bytes,
+        )
+        return Caller(name=self.name, tenant=self.tenant or self.name, role=self.role, limits=limits)
+
+    def digest(self) -> bytes:
+        if (self.key is None) == (self.sha256 is None):
+            raise ValueError(f"key {self.name!r}: give exactly one of 'key' and 'sha256'")
+        return _digest(self.key) if self.key is not None else bytes.fromhex(self.sha256 or "")
+
+
+def _plain_caller(digest: bytes, role: Role) -> Caller:
+    tenant = "key-" + digest.hex()[:12]
+    return Caller(name=tenant, tenant=tenant, role=role)
+
+
+def parse_key_file(text: str, source: str = "key file") -> tuple[list[tuple[bytes, Caller]], list[str]]:
+    """(named entries as (digest, caller), plain keys) of a key file's text: TOML with
+    ``[[keys]]`` tables, JSON (a list of entries or ``{"keys": [...]}``), or one key per
+    line (blank lines and ``#`` comments skipped)."""
+    stripped = text.lstrip()
+    raw: Any = None
+    if stripped.startswith("{") or (stripped.startswith("[") and not stripped.startswith("[[")):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise KeyFileError(f"{source}: not valid JSON: {e}") from None
+    elif "[[keys]]" in text:
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise KeyFileError(f"{source}: not valid TOML: {e}") from None
+    if raw is None:
+        plain = [ln.strip() for ln in text.splitlines()]
+        return [], [k for k in plain if k and not k.startswith("#")]
+    entries = raw.get("keys") if isinstance(raw, dict) else raw
+    if not isinstance(entries, list):
+        raise KeyFileError(f"{source}: expected a list of keys ([[keys]] tables or a JSON list)")
+    named: list[tuple[bytes, Caller]] = []
+    names: set[str] = set()
+    for i, item in enumerate(entries):
+        try:
+            entry = KeyEntry.model_validate(item)
+            digest = entry.digest()
+        except (ValidationError, ValueError) as e:
+            raise KeyFileError(f"{source}: entry {i + 1}: {e}") from None
+        if entry.name in names:
+            raise KeyFileError(f"{source}: the name {entry.name!r} is given twice; names must be unique")
+        names.add(entry.name)
+        named.append((digest, entry.caller()))
+    return named, []
+
+
+class ApiKeys:
+    """The accepted bearer tokens and who each one is (a ``Caller``). ``identify``
+    compares against every key with ``hmac.compare_digest`` and never stops at the first
+    match. ``reload`` re-reads the sources (SIGHUP): a removed key stops working at once.
+
+    Plain keys (one per line, or the environment variable) are users, each its own tenant,
+    except a lone plain key with no named ones: that server is single-tenant and its key an
+    admin, exactly as before keys isolated."""
+
+    def __init__(self, keys: Iterable[str] = (), *, named: Iterable[tuple[bytes, Caller]] = ()):
+        self._entries: tuple[tuple[bytes, Caller], ...] = ()
+        self._sources: tuple[Path | None, str, Mapping[str, str] | None] | None = None
+        self._set(list(named), keys)
+
+    def _set(self, named: list[tuple[bytes, Caller]], plain: Iterable[str]) -> None:
+        cleaned = sorted({k.strip() for k in plain if k and k.strip()})
+        role: Role = "admin" if len(cleaned) == 1 and not named else "user"
+        entries = list(named) + [(_digest(k), _plain_caller(_digest(k), role)) for k in cleaned]
+        digests = [d for d, _ in entries]
+        if len(set(digests)) != len(digests):
+            raise KeyFileError(
+                "the same key is given twice (as a key or its sha256); each key names one caller"
+            )
+        self._entries = tuple(entries)
 
     @classmethod
     def from_sources(
@@ -75,45 +179,76 @@ class ApiKeys:
         *,
         environ: Mapping[str, str] | None = None,
     ) -> ApiKeys:
-        """Keys from ``key_file`` (one per line; blank lines and lines starting with ``#``
-        are skipped; a missing file raises ``OSError``) and from the environment variable
-        ``env_var`` (comma-separated). ``environ`` defaults to ``os.environ``."""
-        keys: list[str] = []
+        """Keys from ``key_file`` (see ``parse_key_file``; a missing file raises ``OSError``)
+        and from the environment variable ``env_var`` (comma-separated plain keys).
+        ``environ`` defaults to ``os.environ``."""
+        keys = cls()
+        keys._sources = (Path(key_file) if key_file is not None else None, env_var, environ)
+        keys.reload()
+        return keys
+
+    def reload(self) -> None:
+        """Read the sources again (a key file edited while serving). A file that no longer
+        parses leaves the keys as they were and raises."""
+        if self._sources is None:
+            return
+        key_file, env_var, environ = self._sources
+        named: list[tuple[bytes, Caller]] = []
+        plain: list[str] = []
         if key_file is not None:
-            for line in Path(key_file).read_text(encoding="utf-8").splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    keys.append(line)
+            named, plain = parse_key_file(key_file.read_text(encoding="utf-8"), str(key_file))
         env = os.environ if environ is None else environ
-        keys += [k for k in (env.get(env_var) or "").split(",") if k.strip()]
-        return cls(keys)
+        plain += [k for k in (env.get(env_var) or "").split(",") if k.strip()]
+        self._set(named, plain)
 
     @property
     def enabled(self) -> bool:
-        return bool(self._digests)
+        return bool(self._entries)
+
+    @property
+    def has_admin(self) -> bool:
+        return any(c.is_admin for _, c in self._entries)
+
+    @property
+    def callers(self) -> list[Caller]:
+        return [c for _, c in self._entries]
 
     def __len__(self) -> int:
-        return len(self._digests)
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        roles = sorted(c.role for _, c in self._entries)
+        return f"ApiKeys({len(self)} keys: {roles.count('admin')} admin, {roles.count('user')} user)"
+
+    def identify_token(self, token: str) -> Caller | None:
+        """The caller ``token`` is the key of (None when it is none of them)."""
+        candidate = _digest(token)
+        found: Caller | None = None
+        for digest, caller in self._entries:  # no early exit: every key is compared
+            if hmac.compare_digest(candidate, digest):
+                found = caller
+        return found
 
     def check_token(self, token: str) -> bool:
         """Whether ``token`` is one of the keys (False when there are none)."""
-        candidate = _digest(token)
-        matched = False
-        for key in self._digests:  # no early exit: every key is compared
-            matched |= hmac.compare_digest(candidate, key)
-        return matched
+        return self.identify_token(token) is not None
 
-    def check(self, authorization_header: str | None) -> bool:
-        """Whether an ``Authorization`` header value is ``Bearer <one of the keys>``
-        (scheme case-insensitive). False when there are no keys: the service simply
-        installs no check then (see ``bearer_auth``)."""
+    def identify(self, authorization_header: str | None) -> Caller | None:
+        """The caller of an ``Authorization: Bearer <key>`` header value (scheme
+        case-insensitive), or None."""
         if not authorization_header:
-            return False
+            return None
         scheme, _, token = authorization_header.strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            return False
-        return self.check_token(token)
+            return None
+        return self.identify_token(token)
+
+    def check(self, authorization_header: str | None) -> bool:
+        """Whether an ``Authorization`` header value is ``Bearer <one of the keys>``.
+        False when there are no keys: the service simply installs no check then (see
+        ``bearer_auth``)."""
+        return self.identify(authorization_header) is not None
 
 
 def is_loopback_host(host: str) -> bool:
@@ -163,20 +298,27 @@ def _unauthorized(message: str) -> HTTPException:
 _bearer_scheme = HTTPBearer(auto_error=False, description="One of the server's API keys")
 
 
-def bearer_auth(keys: ApiKeys) -> Callable[..., Awaitable[None]]:
+def bearer_auth(keys: ApiKeys, *, share_caches: bool = False) -> Callable[..., Awaitable[Caller]]:
     """A FastAPI dependency: 401 (OpenAI error shape, ``WWW-Authenticate: Bearer``)
-    unless the request carries ``Authorization: Bearer <key>``. With no keys configured
-    it lets every request through (``require_keys_or_loopback`` guards that case)."""
+    unless the request carries ``Authorization: Bearer <key>``; the key's ``Caller`` becomes
+    the current one (``api.http.tenancy``) and ``request.state.caller``. With no keys
+    configured every request is the anonymous admin (``require_keys_or_loopback`` guards
+    that case). The caches (prefix pages, encoder outputs) are scoped to the key's tenant
+    unless ``share_caches`` (``--share-prefix-cache``)."""
 
     async def require_api_key(
         request: Request,
         _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer_scheme)],
-    ) -> None:
+    ) -> Caller:
         if not keys.enabled:
-            return
+            request.state.caller = ANONYMOUS
+            return ANONYMOUS
         header = request.headers.get("authorization")
-        if keys.check(header):
-            return
+        caller = keys.identify(header)
+        if caller is not None:
+            enter(caller, shared_caches=share_caches)
+            request.state.caller = caller
+            return caller
         if not header:
             raise _unauthorized(
                 "Missing API key: send the header 'Authorization: Bearer <key>' "
@@ -185,3 +327,32 @@ def bearer_auth(keys: ApiKeys) -> Callable[..., Awaitable[None]]:
         raise _unauthorized("Incorrect API key provided (expected 'Authorization: Bearer <key>')")
 
     return require_api_key
+
+
+def admin_only(keys: ApiKeys, *, open_to_keys: bool = False) -> Callable[..., Awaitable[None]]:
+    """A dependency for operator surfaces (``/metrics``): an admin key is needed when the
+    server has one; with keys but no admin (a plain multi-key file) any key will do, and
+    ``open_to_keys`` (``--metrics-open``) lets every request through."""
+    check = bearer_auth(keys)
+
+    async def require_admin(
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer_scheme)],
+    ) -> None:
+        if open_to_keys or not keys.enabled:
+            return
+        caller = await check(request, credentials)
+        if keys.has_admin and not caller.is_admin:
+            raise HTTPException(
+                status_code=403,
+                detail={
+                    "error": {
+                        "message": f"this needs an admin key; the key {caller.name!r} is a user key",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "admin_key_required",
+                    }
+                },
+            )
+
+    return require_admin

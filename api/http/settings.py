@@ -83,6 +83,15 @@ class ServeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_file: Path | None = None
+    """Plain keys one per line, or named keys with roles and limits (TOML ``[[keys]]`` or
+    JSON): ``api.http.security.parse_key_file``. Re-read on SIGHUP."""
+    audit_log: Path | None = None
+    """Where the audit lines go (appended); default: standard error."""
+    metrics_open: bool = False
+    """``/metrics`` without an admin key (it needs one whenever the key file names one)."""
+    share_prefix_cache: bool = False
+    """Single-tenant: KV prefix pages and encoder outputs are reused across keys (by default
+    only within one key's tenant, so a cache hit tells nobody what another key sent)."""
     state_dir: Path = Path("pie-media-state")
     """Uploads (files + SQLite index) live here and survive restarts."""
     state_db: str | None = None

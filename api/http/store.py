@@ -60,8 +60,21 @@ CREATE TABLE IF NOT EXISTS media (
     content_type TEXT,
     created_at   {REAL}  NOT NULL,
     metadata     TEXT    NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS media_holders (
+    seq          {SERIAL},
+    id           TEXT    NOT NULL,
+    tenant       TEXT    NOT NULL,
+    filename     TEXT,
+    content_type TEXT,
+    created_at   {REAL}  NOT NULL,
+    metadata     TEXT    NOT NULL DEFAULT '{}',
+    UNIQUE (id, tenant)
 )
 """
+_HOLDER_COLUMNS = (
+    "m.id, m.kind, m.content_hash, m.size, h.filename, h.content_type, h.created_at, h.metadata, h.tenant"
+)
 _COLUMNS = "id, kind, content_hash, size, filename, content_type, created_at, metadata"
 
 
@@ -83,6 +96,8 @@ class MediaRecord:
     content_type: str | None
     created_at: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    tenant: str | None = field(default=None, compare=False)
+    """The tenant whose upload this record is (None: the stored bytes, seen by an admin)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -155,11 +170,64 @@ class MediaStore:
         filename: str | None = None,
         content_type: str | None = None,
         metadata: dict[str, Any] | None = None,
+        tenant: str = "",
     ) -> tuple[MediaRecord, bool]:
         """Store the file at ``spool_path`` (moved, so it should be under
-        :attr:`spool_dir`) as ``media-<content_hash>``. Returns ``(record, created)``;
-        when the id is already stored the existing record comes back with
-        ``created=False`` and the spool file is deleted."""
+        :attr:`spool_dir`) as ``media-<content_hash>``, held by ``tenant``. Returns
+        ``(record, created)``: the tenant's record (its own filename, type, time and
+        metadata), ``created=False`` when the tenant already held these bytes. The bytes are
+        stored once whoever uploads them; the spool file of a repeat is deleted."""
+        record, fresh = self._put_bytes(
+            spool_path,
+            content_hash=content_hash,
+            kind=kind,
+            size=size,
+            filename=filename,
+            content_type=content_type,
+            metadata=metadata,
+        )
+        meta_json = json.dumps(
+            record.metadata if metadata is None else metadata, sort_keys=True, separators=(",", ":")
+        )
+        with self._lock:
+            cur = self._db().execute(
+                "INSERT INTO media_holders (id, tenant, filename, content_type, created_at, metadata) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id, tenant) DO NOTHING",
+                (
+                    record.id,
+                    tenant,
+                    filename,
+                    content_type,
+                    record.created_at if fresh else time.time(),
+                    meta_json,
+                ),
+            )
+            held = self._get_held(record.id, tenant)
+        if held is None:  # deleted in between: store it again
+            return self.put(
+                spool_path,
+                content_hash=content_hash,
+                kind=kind,
+                size=size,
+                filename=filename,
+                content_type=content_type,
+                metadata=metadata,
+                tenant=tenant,
+            )
+        return held, cur.rowcount == 1
+
+    def _put_bytes(
+        self,
+        spool_path: str | os.PathLike[str],
+        *,
+        content_hash: str,
+        kind: str,
+        size: int,
+        filename: str | None = None,
+        content_type: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> tuple[MediaRecord, bool]:
+        """The bytes' own row and file (the first uploader's facts)."""
         # Wrong arguments here are the caller's bugs, not the client's: plain
         # ValueError / TypeError (a 500), never a typed 4xx.
         spool_path = Path(spool_path)
@@ -225,39 +293,68 @@ class MediaStore:
                     return other, False
             return record, True
 
-    def delete(self, media_id: str) -> bool:
-        """Remove the record and its file; False when there was none."""
+    def delete(self, media_id: str, *, scope: str | None = None) -> bool:
+        """Remove ``scope``'s hold on the upload (None: every hold: an admin's delete); the
+        bytes go once nobody holds them. False when there was nothing to remove."""
         if not is_media_id(media_id):
             return False
         with self._lock:
-            cur = self._db().execute("DELETE FROM media WHERE id = ?", (media_id,))
-            if cur.rowcount == 0:
-                return False
-            _unlink(self.files_dir / media_id)
-            return True
+            db = self._db()
+            with db.transaction():
+                if scope is None:
+                    db.execute("DELETE FROM media_holders WHERE id = ?", (media_id,))
+                    removed = db.execute("DELETE FROM media WHERE id = ?", (media_id,)).rowcount > 0
+                else:
+                    removed = (
+                        db.execute(
+                            "DELETE FROM media_holders WHERE id = ? AND tenant = ?", (media_id, scope)
+                        ).rowcount
+                        > 0
+                    )
+                    left = db.execute("SELECT 1 FROM media_holders WHERE id = ?", (media_id,)).fetchone()
+                    if removed and left is None:
+                        db.execute("DELETE FROM media WHERE id = ?", (media_id,))
+                    else:
+                        return removed
+            if removed:
+                _unlink(self.files_dir / media_id)
+            return removed
 
     # -- reading ---------------------------------------------------------------------
 
-    def get(self, media_id: str) -> MediaRecord | None:
-        """The record, or None (also for a malformed id such as ``../x``)."""
+    def get(self, media_id: str, *, scope: str | None = None) -> MediaRecord | None:
+        """The record, or None (also for a malformed id such as ``../x``, and when
+        ``scope``, a tenant, holds no such upload). An admin (``scope`` None) gets the
+        bytes' own record."""
         if not is_media_id(media_id):
             return None
         with self._lock:
-            return self._get(media_id)
+            return self._get(media_id) if scope is None else self._get_held(media_id, scope)
 
-    def path(self, media_id: str) -> Path | None:
-        """Where the bytes are, or None when there is no such record or file."""
-        if not is_media_id(media_id):
+    def path(self, media_id: str, *, scope: str | None = None) -> Path | None:
+        """Where the bytes are, or None when there is no such record (for ``scope``) or file."""
+        if self.get(media_id, scope=scope) is None:
             return None
-        with self._lock:
-            if self._get(media_id) is None:
-                return None
         p = self.files_dir / media_id
         return p if p.is_file() else None
 
-    def read_bytes(self, media_id: str) -> bytes:
-        """The stored bytes; :class:`MediaNotFoundError` when there are none."""
-        p = self.path(media_id)
+    def stored_bytes(self, tenant: str) -> int:
+        """What ``tenant``'s uploads hold (each counted whole, also when shared)."""
+        with self._lock:
+            row = (
+                self._db()
+                .execute(
+                    "SELECT COALESCE(SUM(m.size), 0) FROM media_holders h JOIN media m ON m.id = h.id "
+                    "WHERE h.tenant = ?",
+                    (tenant,),
+                )
+                .fetchone()
+            )
+        return int(row[0])
+
+    def read_bytes(self, media_id: str, *, scope: str | None = None) -> bytes:
+        """The stored bytes; :class:`MediaNotFoundError` when there are none (for ``scope``)."""
+        p = self.path(media_id, scope=scope)
         if p is not None:
             with contextlib.suppress(FileNotFoundError):  # deleted in between
                 return p.read_bytes()
@@ -282,15 +379,20 @@ class MediaStore:
             return f"MediaStore({str(self.root)!r}, closed)"
         return f"MediaStore({str(self.root)!r}, records={len(self)})"
 
-    def list(self, limit: int = 100, after: str | None = None) -> list[MediaRecord]:
+    def list(
+        self, limit: int = 100, after: str | None = None, *, scope: str | None = None
+    ) -> list[MediaRecord]:
         """Up to ``limit`` records in the order they were stored, starting after the
-        record ``after`` (a cursor: the last id of the previous page)."""
+        record ``after`` (a cursor: the last id of the previous page); ``scope``: only that
+        tenant's uploads (None: every stored file)."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_LIMIT:
             raise InvalidRequestError(
                 f"limit must be an int in 1..{MAX_LIST_LIMIT}, got {limit!r}",
                 param="limit",
                 limit=MAX_LIST_LIMIT,
             )
+        if scope is not None:
+            return self._list_held(limit, after, scope)
         with self._lock:
             db = self._db()
             start = 0
@@ -333,6 +435,47 @@ class MediaStore:
         row = self._db().execute(f"SELECT {_COLUMNS} FROM media WHERE id = ?", (media_id,)).fetchone()
         return _record(row) if row is not None else None
 
+    def _get_held(self, media_id: str, tenant: str) -> MediaRecord | None:
+        row = (
+            self._db()
+            .execute(
+                f"SELECT {_HOLDER_COLUMNS} FROM media_holders h JOIN media m ON m.id = h.id "
+                "WHERE h.id = ? AND h.tenant = ?",
+                (media_id, tenant),
+            )
+            .fetchone()
+        )
+        return _record(row) if row is not None else None
+
+    def _list_held(self, limit: int, after: str | None, tenant: str) -> list[MediaRecord]:
+        with self._lock:
+            db = self._db()
+            start = 0
+            if after is not None:
+                row = (
+                    db.execute(
+                        "SELECT seq FROM media_holders WHERE id = ? AND tenant = ?", (after, tenant)
+                    ).fetchone()
+                    if is_media_id(after)
+                    else None
+                )
+                if row is None:
+                    raise MediaNotFoundError(f"no uploaded media with id {str(after)[:80]!r}", param="after")
+                start = row[0]
+            rows = db.execute(
+                f"SELECT {_HOLDER_COLUMNS} FROM media_holders h JOIN media m ON m.id = h.id "
+                "WHERE h.tenant = ? AND h.seq > ? ORDER BY h.seq LIMIT ?",
+                (tenant, start, limit),
+            ).fetchall()
+        return [_record(r) for r in rows]
+
+    def legacy_count(self) -> int:
+        """Uploads stored before tenants (held by the legacy tenant: admins only)."""
+        with self._lock:
+            return int(
+                self._db().execute("SELECT COUNT(*) FROM media_holders WHERE tenant = ''").fetchone()[0]
+            )
+
     def _place(self, source: Path, target: Path) -> None:
         """Move ``source`` to ``target`` durably (contents, then the name)."""
         _fsync_file(source)
@@ -361,8 +504,16 @@ class MediaStore:
         missing = [i for i in ids if not (self.files_dir / i).is_file()]
         if missing:
             with db.transaction():
+                db.executemany("DELETE FROM media_holders WHERE id = ?", [(i,) for i in missing])
                 db.executemany("DELETE FROM media WHERE id = ?", [(i,) for i in missing])
             log.warning("dropped %d index rows whose file is missing under %s", len(missing), self.files_dir)
+        # Uploads stored before tenants: held by the legacy tenant (admins see them).
+        db.execute(
+            "INSERT INTO media_holders (id, tenant, filename, content_type, created_at, metadata) "
+            "SELECT id, '', filename, content_type, created_at, metadata FROM media m "
+            "WHERE NOT EXISTS (SELECT 1 FROM media_holders h WHERE h.id = m.id) "
+            "ON CONFLICT (id, tenant) DO NOTHING"
+        )
         # Spool files of dead processes, or old ones.
         removed = 0
         for entry in _entries(self.spool_dir):
@@ -379,7 +530,7 @@ class MediaStore:
 
 
 def _record(row: tuple[Any, ...]) -> MediaRecord:
-    media_id, kind, content_hash, size, filename, content_type, created_at, meta = row
+    media_id, kind, content_hash, size, filename, content_type, created_at, meta, *held = row
     try:
         metadata = json.loads(meta) if meta else {}
     except ValueError:
@@ -393,6 +544,7 @@ def _record(row: tuple[Any, ...]) -> MediaRecord:
         content_type=content_type,
         created_at=float(created_at),
         metadata=metadata if isinstance(metadata, dict) else {},
+        tenant=held[0] if held else None,
     )
 
 

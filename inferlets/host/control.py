@@ -6,6 +6,8 @@ import queue
 import threading
 from collections.abc import Iterable
 
+from encoders import cache_scope as current_cache_scope
+
 _CLOSED = object()
 
 
@@ -18,9 +20,24 @@ class InferletRun:
     Cancellation takes effect at the guest's next host call, or at once when the guest is
     waiting in one (a generation, a receive): that call fails with ``inferlet_cancelled``
     and the run ends with ``InferletCancelledError``. A guest computing without calling
-    the host runs on until its fuel or wall-clock budget ends it."""
+    the host runs on until its fuel or wall-clock budget ends it.
 
-    def __init__(self, messages: Iterable[str] | None = None, *, close: bool = False):
+    ``namespace``: whose run it is (a server passes its caller's tenant); the contexts the
+    run saves, opens and deletes by name live under it, so two tenants' runs never reach
+    each other's saved contexts. Empty: the plain names (a library user, an admin).
+    ``cache_scope``: the ``encoders.cache_scope`` the run's contexts key their prefix pages
+    and encoder outputs under (default: the scope where the run object is made)."""
+
+    def __init__(
+        self,
+        messages: Iterable[str] | None = None,
+        *,
+        close: bool = False,
+        namespace: str = "",
+        cache_scope: str | None = None,
+    ):
+        self.namespace = namespace
+        self.cache_scope = current_cache_scope() if cache_scope is None else cache_scope
         self._inbox: queue.Queue[object] = queue.Queue()
         self._cancel = threading.Event()
         for m in messages or ():

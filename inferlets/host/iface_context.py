@@ -187,17 +187,24 @@ class ContextCalls:
                 f"a run may save at most {self.run.limits.max_saves} contexts",
                 limit=self.run.limits.max_saves,
             )
-        self.run.on_loop(lambda: ctx.save(self.run.text(name, "a name"), overwrite=overwrite))
+        saved = self._saved_name(name)
+        self.run.on_loop(lambda: ctx.save(saved, overwrite=overwrite))
         self.run.saves += 1
 
     def open(self, model: str, name: str) -> int:
         m = self.run.model(model, Model)
-        self.run.text(name, "a name")
-        return self.run.handles.add("context", self.run.on_loop(Context.open, m, name))
+        return self.run.handles.add("context", self.run.on_loop(Context.open, m, self._saved_name(name)))
 
     def delete_saved(self, model: str, name: str) -> None:
         m = self.run.model(model, Model)
-        self.run.on_loop(m.delete_saved, self.run.text(name, "a name"))
+        self.run.on_loop(m.delete_saved, self._saved_name(name))
+
+    def _saved_name(self, name: str) -> str:
+        """A saved context's name in the engine: under the run's namespace (its caller's
+        tenant), so runs of different tenants never meet each other's saved contexts."""
+        text = self.run.text(name, "a name")
+        namespace = self.run.control.namespace if self.run.control is not None else ""
+        return f"{namespace}/{text}" if namespace else text
 
     def truncate(self, h: int, n: int) -> None:
         self.run.on_loop(self._ctx(h).truncate, n)

@@ -4,6 +4,7 @@ hash, one Store per run with memory, fuel, epoch and handle limits."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hashlib
 import importlib.metadata
@@ -18,6 +19,7 @@ from typing import Any
 import wasmtime
 from wasmtime import component as wc
 
+from encoders import cache_scope, use_cache_scope
 from inferlets.host import wit_values as wv
 from inferlets.host.control import InferletRun
 from inferlets.host.errors import (
@@ -172,8 +174,12 @@ class InferletRuntime:
         ``receive`` and ``cancel()`` (see ``InferletRun``)."""
         _, comp = self.component(wasm)
         state = RunState(self.models, loop, args, on_send or (lambda s: None), limits or self.limits, control)
+        # Host calls hop to the loop with this thread's context (call_soon_threadsafe copies
+        # it): the run's contexts key their caches under its caller's scope.
+        scope = control.cache_scope if control is not None else cache_scope()
         try:
-            return self._execute(state, comp)
+            with use_cache_scope(scope):
+                return self._execute(state, comp)
         finally:
             state.close()
 
@@ -182,7 +188,8 @@ class InferletRuntime:
         ``run`` (``on_send``, ``limits``, ``control``)."""
         loop = asyncio.get_running_loop()
         call = functools.partial(self.run, wasm, args, loop=loop, **kw)
-        return await loop.run_in_executor(self._threads, call)
+        # in the caller's context (run_in_executor would start from an empty one): its cache scope
+        return await loop.run_in_executor(self._threads, contextvars.copy_context().run, call)
 
     def _linker(self, state: RunState) -> wc.Linker:
         linker = wc.Linker(self.engine)

@@ -11,6 +11,7 @@ and the error file (failures) are written in OpenAI's batch output format.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ from typing import Any, Literal, get_args
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from api.http.audit import audit
 from api.http.completion_schemas import CompletionRequest
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError, error_body, status_for
@@ -31,6 +33,7 @@ from api.http.routes.embeddings import EmbeddingRequest, embed_request
 from api.http.routes.files import get_file
 from api.http.routes.responses import complete_response
 from api.http.schemas import ChatCompletionRequest
+from api.http.tenancy import current_caller
 from media import InvalidRequestError, PieMediaError
 
 router = APIRouter(tags=["batches"])
@@ -219,10 +222,13 @@ async def write_outputs(service: Service, job_id: str) -> None:
     for key, lines in (("output_file_id", ok), ("error_file_id", bad)):
         if lines:
             rec = await asyncio.to_thread(
-                service.files.add,
-                "".join(lines).encode(),
-                filename=f"{job_id}_{key.split('_')[0]}.jsonl",
-                purpose="batch_output",
+                functools.partial(
+                    service.files.add,
+                    "".join(lines).encode(),
+                    filename=f"{job_id}_{key.split('_')[0]}.jsonl",
+                    purpose="batch_output",
+                    tenant=job.tenant,  # the batch's creator owns its outputs
+                )
             )
             ids[key] = rec.id
     await asyncio.to_thread(service.jobs.update_meta, job_id, **ids)
@@ -257,13 +263,15 @@ async def create_batch(body: BatchCreate, service: Service = Depends(get_service
         kind="batch",
         meta=meta,
         prefix="batch_",
+        tenant=current_caller().tenant,
     )
+    audit("create", "batch", job.id)
     service.job_runner.start(job.id)
     return batch_view(job)
 
 
 async def _batch(service: Service, batch_id: str) -> JobRecord:
-    job = await asyncio.to_thread(service.jobs.get, batch_id)
+    job = await asyncio.to_thread(functools.partial(service.jobs.get, batch_id, scope=current_caller().scope))
     if job is None or job.kind != "batch":
         raise ServiceError("not_found", f"no batch {batch_id!r}", param="batch_id")
     return job
@@ -273,7 +281,10 @@ async def _batch(service: Service, batch_id: str) -> JobRecord:
 async def list_batches(
     limit: int = Query(20, ge=1, le=100), service: Service = Depends(get_service)
 ) -> BatchList:
-    return BatchList(data=[batch_view(j) for j in await asyncio.to_thread(service.jobs.list, limit, "batch")])
+    jobs = await asyncio.to_thread(
+        functools.partial(service.jobs.list, limit, "batch", scope=current_caller().scope)
+    )
+    return BatchList(data=[batch_view(j) for j in jobs])
 
 
 @router.get("/v1/batches/{batch_id}", response_model=Batch, responses=Service.error_responses(401, 404))
@@ -287,5 +298,6 @@ async def retrieve_batch(batch_id: str, service: Service = Depends(get_service))
 async def cancel_batch(batch_id: str, service: Service = Depends(get_service)) -> Batch:
     await _batch(service, batch_id)
     await service.job_runner.cancel(batch_id)
+    audit("cancel", "batch", batch_id)
     await write_outputs(service, batch_id)
     return batch_view(await _batch(service, batch_id))

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
 from api.http.errors import ServiceError
-from api.http.generation import TokenTiming, completion_params, reasoning_of, usage_of
+from api.http.generation import TokenTiming, completion_params, reasoning_of, scope_caches, usage_of
 from api.http.registry import ServedModel
 from api.http.schemas import (
     AssistantMessage,
@@ -64,6 +64,7 @@ _ROLE = {"system": "system", "developer": "system", "user": "user", "assistant":
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, service: Service = Depends(get_service)
 ):
+    scope_caches(service, body.cache_salt)
     served = service.models.get(body.model, kind="chat")
     model = served.model
     tool_use = tool_use_of(body, model)
@@ -116,6 +117,7 @@ class PreparedChat:
 async def prepare_chat(body: ChatCompletionRequest, service: Service) -> PreparedChat:
     """The chat endpoint's checks and conversion, for callers that run the completion
     themselves (the Batch API, the Responses API): the same path as a chat request."""
+    scope_caches(service, body.cache_salt)
     served = service.models.get(body.model, kind="chat")
     tool_use = tool_use_of(body, served.model)
     params = _params(body, service, served, tool_use)

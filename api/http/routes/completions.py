@@ -30,7 +30,7 @@ from api.http.completion_schemas import (
 )
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
-from api.http.generation import TokenTiming, completion_params
+from api.http.generation import TokenTiming, completion_params, scope_caches
 from api.http.registry import ServedModel
 from api.http.schemas import PromptTokensDetails, Usage
 from api.http.sse import EventStream, Last, error_event
@@ -48,6 +48,7 @@ router = APIRouter(tags=["completions"])
     },
 )
 async def completions(body: CompletionRequest, request: Request, service: Service = Depends(get_service)):
+    scope_caches(service, body.cache_salt)
     served = service.models.get(body.model, kind="chat")
     prompts = _prompts(body.prompt)
     params = _params(body, service, served)
@@ -79,6 +80,7 @@ async def complete_text(body: CompletionRequest, service: Service) -> TextComple
     """A whole (non-streamed) legacy completion without an HTTP request around it: the
     Batch API runs its ``/v1/completions`` lines through this, the same path as the route.
     No admission slot is taken: a batch bounds its own concurrency."""
+    scope_caches(service, body.cache_salt)
     served = service.models.get(body.model, kind="chat")
     prompts = _prompts(body.prompt)
     params = _params(body, service, served)

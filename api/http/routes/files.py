@@ -5,15 +5,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
+from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError
 from api.http.files_store import FileRecord
+from api.http.tenancy import current_caller
 from api.http.uploads import receive_multipart
 from media import InvalidRequestError
 
@@ -35,6 +38,9 @@ class FileObject(BaseModel):
 class FileList(BaseModel):
     object: Literal["list"] = "list"
     data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
 
 
 class FileDeleted(BaseModel):
@@ -50,7 +56,9 @@ def file_object(r: FileRecord) -> FileObject:
 
 
 async def get_file(service: Service, file_id: str) -> FileRecord:
-    record = await asyncio.to_thread(service.files.get, file_id)
+    record = await asyncio.to_thread(
+        functools.partial(service.files.get, file_id, scope=current_caller().scope)
+    )
     if record is None:
         raise ServiceError("not_found", f"no file {file_id!r}", param="file_id")
     return record
@@ -74,16 +82,37 @@ async def upload_file(request: Request, service: Service = Depends(get_service))
             )
         f = form.files[0]
         record = await asyncio.to_thread(
-            service.files.add, f.path, filename=f.filename or "upload", purpose=purpose
+            functools.partial(
+                service.files.add,
+                f.path,
+                filename=f.filename or "upload",
+                purpose=purpose,
+                tenant=current_caller().tenant,
+            )
         )
     finally:
         form.cleanup()
+    audit("create", "file", record.id)
     return file_object(record)
 
 
 @router.get("/v1/files", response_model=FileList, responses=Service.error_responses(401))
-async def list_files(service: Service = Depends(get_service)) -> FileList:
-    return FileList(data=[file_object(r) for r in await asyncio.to_thread(service.files.list)])
+async def list_files(
+    limit: int = Query(10_000, ge=1, le=10_000),
+    after: str | None = Query(None, max_length=64, description="the last id of the previous page"),
+    order: Literal["asc", "desc"] = "desc",
+    purpose: str | None = Query(None, max_length=32),
+    service: Service = Depends(get_service),
+) -> FileList:
+    records, more = await asyncio.to_thread(
+        functools.partial(
+            service.files.list, limit, scope=current_caller().scope, after=after, order=order, purpose=purpose
+        )
+    )
+    data = [file_object(r) for r in records]
+    return FileList(
+        data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None, has_more=more
+    )
 
 
 @router.get("/v1/files/{file_id}", response_model=FileObject, responses=Service.error_responses(401, 404))
@@ -104,6 +133,9 @@ async def file_content(file_id: str, service: Service = Depends(get_service)) ->
 
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=Service.error_responses(401, 404))
 async def delete_file(file_id: str, service: Service = Depends(get_service)) -> FileDeleted:
-    if not await asyncio.to_thread(service.files.delete, file_id):
+    if not await asyncio.to_thread(
+        functools.partial(service.files.delete, file_id, scope=current_caller().scope)
+    ):
         raise ServiceError("not_found", f"no file {file_id!r}", param="file_id")
+    audit("delete", "file", file_id)
     return FileDeleted(id=file_id, deleted=True)

@@ -24,6 +24,18 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready", "models": [m.name for m in service.models]})
 
 
-@router.get("/metrics", response_class=Response)
+async def operator_only(request: Request) -> None:
+    """``/metrics`` is the operator's: the app's check (``security.admin_only``) decides."""
+    check = getattr(request.app.state, "operator_check", None)
+    if check is not None:
+        await check(request, None)
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    dependencies=[Depends(operator_only)],
+    responses={401: {"description": "Missing or wrong API key"}, 403: {"description": "Needs an admin key"}},
+)
 async def metrics(service: Service = Depends(get_service)) -> Response:
     return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.disconnect import ClientDisconnected, cancel_on_disconnect
 from api.http.errors import ServiceError
@@ -40,6 +42,7 @@ from api.http.inferlet_schemas import (
     RunRequest,
 )
 from api.http.inferlets_store import InferletRecord
+from api.http.tenancy import current_caller
 from api.http.uploads import receive_multipart
 from inferlets import RunLimits
 
@@ -57,14 +60,16 @@ def _runtime(service: Service):
 
 
 def _inferlet(service: Service, inferlet_id: str) -> tuple[InferletRecord, Path]:
-    rec, path = service.inferlet_store.get(inferlet_id), service.inferlet_store.path(inferlet_id)
+    scope = current_caller().scope
+    rec = service.inferlet_store.get(inferlet_id, scope=scope)
+    path = service.inferlet_store.path(inferlet_id, scope=scope)
     if rec is None or path is None:
         raise ServiceError("not_found", f"no inferlet {inferlet_id!r}", param="inferlet_id")
     return rec, path
 
 
 def _run(service: Service, inferlet_id: str, run_id: str) -> RunRecord:
-    rec = service.inferlet_runs.get(run_id)
+    rec = service.inferlet_runs.get(run_id, scope=current_caller().scope)
     if rec is None or rec.inferlet_id != inferlet_id:
         raise ServiceError("not_found", f"no run {run_id!r} of inferlet {inferlet_id!r}", param="run_id")
     return rec
@@ -128,7 +133,9 @@ async def upload_inferlet(request: Request, service: Service = Depends(get_servi
     else:
         path = await _spool_body(request, spool, limit)
     try:
-        record, new = await asyncio.to_thread(service.inferlet_store.add, path)
+        record, new = await asyncio.to_thread(
+            functools.partial(service.inferlet_store.add, path, tenant=current_caller().tenant)
+        )
     finally:
         path.unlink(missing_ok=True)
     stored = service.inferlet_store.path(record.id)
@@ -139,12 +146,16 @@ async def upload_inferlet(request: Request, service: Service = Depends(get_servi
         if new:
             service.inferlet_store.delete(record.id)
         raise
+    audit("create", "inferlet", record.id)
     return _object(record)
 
 
 @router.get("/v1/inferlets", response_model=InferletList, responses=Service.error_responses(401))
 async def list_inferlets(service: Service = Depends(get_service)) -> InferletList:
-    return InferletList(data=[_object(r) for r in await asyncio.to_thread(service.inferlet_store.list)])
+    records = await asyncio.to_thread(
+        functools.partial(service.inferlet_store.list, scope=current_caller().scope)
+    )
+    return InferletList(data=[_object(r) for r in records])
 
 
 @router.get(
@@ -159,7 +170,9 @@ async def get_inferlet(inferlet_id: str, service: Service = Depends(get_service)
 )
 async def delete_inferlet(inferlet_id: str, service: Service = Depends(get_service)) -> InferletDeleted:
     _inferlet(service, inferlet_id)
-    return InferletDeleted(id=inferlet_id, deleted=service.inferlet_store.delete(inferlet_id))
+    deleted = service.inferlet_store.delete(inferlet_id, scope=current_caller().scope)
+    audit("delete", "inferlet", inferlet_id)
+    return InferletDeleted(id=inferlet_id, deleted=deleted)
 
 
 def _limits(base: RunLimits, body: RunRequest) -> RunLimits:
@@ -198,8 +211,16 @@ async def start_run(
             limit=runtime.limits.max_text_bytes,
         )
     rec = service.inferlet_runs.start(
-        runtime, inferlet_id, path, body.args, _limits(runtime.limits, body), body.messages, body.close_input
+        runtime,
+        inferlet_id,
+        path,
+        body.args,
+        _limits(runtime.limits, body),
+        body.messages,
+        body.close_input,
+        tenant=current_caller().tenant,
     )
+    audit("create", "inferlet_run", rec.id, inferlet=inferlet_id)
     if body.background:
         return JSONResponse(RunObject.of(rec).model_dump(), status_code=202)
     if body.stream:
@@ -260,6 +281,7 @@ async def cancel_run(inferlet_id: str, run_id: str, service: Service = Depends(g
     rec = _run(service, inferlet_id, run_id)
     if not rec.done and rec.task is not None:
         service.inferlet_runs.cancel(rec)
+        audit("cancel", "inferlet_run", rec.id)
         await asyncio.wait([rec.task], timeout=10)
     return RunObject.of(rec)
 

@@ -6,6 +6,7 @@ job), ``POST /v1/jobs/{id}/cancel``. Items that fail are records; a job never fa
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -18,9 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.batch.file_source import expand_paths
 from api.batch.records import error_dict, make_record
+from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError
 from api.http.jobs_store import JobRecord
+from api.http.tenancy import current_caller
 from api.http.uploads import receive_multipart
 from engine.caption import DEFAULT_PROMPT
 from media import InvalidRequestError, PieMediaError
@@ -104,14 +107,17 @@ async def _ingest(
         spool = service.store.spool_dir / f"job-{time.time_ns()}.part"
         await asyncio.to_thread(spool.write_bytes, data)
     record, _ = await asyncio.to_thread(
-        service.store.put,
-        spool,
-        content_hash=image.content_hash,
-        kind="image",
-        size=len(data),
-        filename=name,
-        content_type=content_type,
-        metadata=image.to_dict(),
+        functools.partial(
+            service.store.put,
+            spool,
+            content_hash=image.content_hash,
+            kind="image",
+            size=len(data),
+            filename=name,
+            content_type=content_type,
+            metadata=image.to_dict(),
+            tenant=current_caller().tenant,
+        )
     )
     return name, record.id, None
 
@@ -124,7 +130,9 @@ async def _items_from_json(service: Service, body: CaptionJobRequest) -> list[tu
     if body.media_ids is not None:
         items = []
         for media_id in body.media_ids:
-            record = await asyncio.to_thread(service.store.get, media_id)
+            record = await asyncio.to_thread(
+                functools.partial(service.store.get, media_id, scope=current_caller().scope)
+            )
             if record is None or record.kind != "image":
                 what = "no uploaded media" if record is None else f"a {record.kind}, not an image:"
                 code = "media_not_found" if record is None else "unsupported_media"
@@ -213,13 +221,15 @@ async def create_caption_job(request: Request, service: Service = Depends(get_se
             (n, m, {"index": i, **make_record(n, settings, error=e)} if e is not None else None, None)
             for i, (n, m, e) in enumerate(items)
         ],
+        tenant=current_caller().tenant,
     )
+    audit("create", "caption_job", job.id)
     service.job_runner.start(job.id)
     return job_view(job)
 
 
 async def _job(service: Service, job_id: str) -> JobRecord:
-    job = await asyncio.to_thread(service.jobs.get, job_id)
+    job = await asyncio.to_thread(functools.partial(service.jobs.get, job_id, scope=current_caller().scope))
     if job is None:
         raise ServiceError("not_found", f"no job {job_id!r}", param="job_id")
     return job
@@ -229,7 +239,8 @@ async def _job(service: Service, job_id: str) -> JobRecord:
 async def list_jobs(
     limit: int = Query(100, ge=1, le=1000), service: Service = Depends(get_service)
 ) -> JobList:
-    return JobList(data=[job_view(j) for j in await asyncio.to_thread(service.jobs.list, limit)])
+    jobs = await asyncio.to_thread(functools.partial(service.jobs.list, limit, scope=current_caller().scope))
+    return JobList(data=[job_view(j) for j in jobs])
 
 
 @router.get("/v1/jobs/{job_id}", response_model=Job, responses=Service.error_responses(401, 404))
@@ -241,6 +252,7 @@ async def get_job(job_id: str, service: Service = Depends(get_service)) -> Job:
 async def cancel_job(job_id: str, service: Service = Depends(get_service)) -> Job:
     await _job(service, job_id)
     await service.job_runner.cancel(job_id)
+    audit("cancel", "caption_job", job_id)
     return job_view(await _job(service, job_id))
 
 

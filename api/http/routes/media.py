@@ -8,14 +8,17 @@ includes the tokens every loaded chat model would spend on it.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from api.http.audit import audit
 from api.http.deps import Service, get_service, multipart_body, receive_upload
 from api.http.errors import ServiceError, error_body, status_for
 from api.http.schemas import MediaDeleted, MediaObject, MediaUploadResponse, MediaUploadResult
+from api.http.tenancy import current_caller
 from encoders import UnsupportedMediaKindError
 from media import PieMediaError, open_media
 
@@ -64,7 +67,10 @@ async def ingest(service: Service, spooled: Any) -> MediaObject:
         filename=spooled.filename,
         content_type=spooled.content_type,
         metadata=metadata,
+        tenant=current_caller().tenant,
     )
+    if _created:
+        audit("create", "media", record.id)
     return media_object(record)
 
 
@@ -99,7 +105,9 @@ async def upload_media(request: Request, service: Service = Depends(get_service)
 
 @router.get("/v1/media/{media_id}", response_model=MediaObject, responses=Service.error_responses(401, 404))
 async def get_media(media_id: str, service: Service = Depends(get_service)) -> MediaObject:
-    record = await asyncio.to_thread(service.store.get, media_id)
+    record = await asyncio.to_thread(
+        functools.partial(service.store.get, media_id, scope=current_caller().scope)
+    )
     if record is None:
         raise ServiceError("media_not_found", f"no uploaded media with id {media_id!r}", param="media_id")
     return media_object(record)
@@ -109,6 +117,9 @@ async def get_media(media_id: str, service: Service = Depends(get_service)) -> M
     "/v1/media/{media_id}", response_model=MediaDeleted, responses=Service.error_responses(401, 404)
 )
 async def delete_media(media_id: str, service: Service = Depends(get_service)) -> MediaDeleted:
-    if not await asyncio.to_thread(service.store.delete, media_id):
+    if not await asyncio.to_thread(
+        functools.partial(service.store.delete, media_id, scope=current_caller().scope)
+    ):
         raise ServiceError("media_not_found", f"no uploaded media with id {media_id!r}", param="media_id")
+    audit("delete", "media", media_id)
     return MediaDeleted(id=media_id, deleted=True)

@@ -13,6 +13,7 @@ events (``response.created`` ... ``response.output_text.delta`` ... ``response.c
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -23,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import ValidationError
 
+from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
 from api.http.errors import ServiceError
@@ -43,6 +45,7 @@ from api.http.responses_schemas import (
 from api.http.routes.chat import PreparedChat, prepare_chat
 from api.http.schemas import ChatCompletionRequest
 from api.http.sse import EventStream, Last
+from api.http.tenancy import current_caller
 from engine import ChoiceEvent, InvalidRequestError, ToolCall
 
 router = APIRouter(tags=["responses"])
@@ -89,7 +92,9 @@ async def complete_response(body: ResponsesRequest, service: Service) -> Respons
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERRORS)
 async def get_response(response_id: str, service: Service = Depends(get_service)) -> Response:
-    stored = await asyncio.to_thread(service.responses.get, response_id)
+    stored = await asyncio.to_thread(
+        functools.partial(service.responses.get, response_id, scope=current_caller().scope)
+    )
     if stored is None:
         raise ServiceError("not_found", f"no stored response {response_id!r}", param="response_id")
     return Response(json.dumps(stored[0]), media_type="application/json")
@@ -97,8 +102,11 @@ async def get_response(response_id: str, service: Service = Depends(get_service)
 
 @router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=ERRORS)
 async def delete_response(response_id: str, service: Service = Depends(get_service)) -> ResponseDeleted:
-    if not await asyncio.to_thread(service.responses.delete, response_id):
+    if not await asyncio.to_thread(
+        functools.partial(service.responses.delete, response_id, scope=current_caller().scope)
+    ):
         raise ServiceError("not_found", f"no stored response {response_id!r}", param="response_id")
+    audit("delete", "response", response_id)
     return ResponseDeleted(id=response_id)
 
 
@@ -106,7 +114,9 @@ async def _previous(body: ResponsesRequest, service: Service) -> list[dict[str, 
     """The stored conversation ``previous_response_id`` names (none without one)."""
     if body.previous_response_id is None:
         return []
-    stored = await asyncio.to_thread(service.responses.get, body.previous_response_id)
+    stored = await asyncio.to_thread(
+        functools.partial(service.responses.get, body.previous_response_id, scope=current_caller().scope)
+    )
     if stored is None:
         raise ServiceError(
             "not_found", f"no stored response {body.previous_response_id!r}", param="previous_response_id"
@@ -152,6 +162,7 @@ def chat_request(
         "top_k": body.top_k,
         "min_p": body.min_p,
         "seed": body.seed,
+        "cache_salt": body.cache_salt,
         "parallel_tool_calls": body.parallel_tool_calls,
         "chat_template_kwargs": _template_kwargs(body),
     }
@@ -319,8 +330,15 @@ class _Run:
                 for c in calls
             ]
         await asyncio.to_thread(
-            self.service.responses.put, answer.id, answer.model_dump(mode="json"), [*self.conversation, turn]
+            functools.partial(
+                self.service.responses.put,
+                answer.id,
+                answer.model_dump(mode="json"),
+                [*self.conversation, turn],
+                tenant=current_caller().tenant,
+            )
         )
+        audit("create", "response", answer.id)
 
     async def whole(self) -> ResponseObject:
         async for ev in self.chat.completion:

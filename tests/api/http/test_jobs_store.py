@@ -155,7 +155,7 @@ def test_files_add_get_list_delete(tmp_path: Path, state_db: str | None) -> None
     spooled.write_bytes(b"xyz")
     rec2 = files.add(spooled, filename="two.jsonl", purpose="batch_output")
     assert files.get(rec.id) == rec and rec.bytes == 9 and rec2.bytes == 3 and not spooled.exists()
-    assert [r.id for r in files.list()] == [rec2.id, rec.id]
+    assert [r.id for r in files.list()[0]] == [rec2.id, rec.id]
     assert files.get("file-" + "0" * 32) is None and files.get("../x") is None
     files.close()
     files = FileStore(root, index=open_index(state_db, root / "files.sqlite3"))  # restart

@@ -776,3 +776,58 @@ def test_bearer_auth_dependency() -> None:
         assert client.get("/open").status_code == 200
         schemes = client.get("/openapi.json").json()["components"]["securitySchemes"]
         assert schemes["HTTPBearer"]["scheme"] == "bearer"
+
+
+def test_named_key_files_give_roles_tenants_and_limits(tmp_path: Path) -> None:
+    import hashlib
+
+    from api.http.security import KeyFileError
+
+    toml = tmp_path / "keys.toml"
+    toml.write_text(
+        '[[keys]]\nname = "ops"\nkey = "sk-ops-123456"\nrole = "admin"\n\n'
+        '[[keys]]\nname = "alice"\nsha256 = "' + hashlib.sha256(b"sk-alice-1234").hexdigest() + '"\n'
+        'tenant = "team-a"\nrequests_per_minute = 5\nmax_concurrent_streams = 2\n'
+    )
+    keys = ApiKeys.from_sources(toml, environ={})
+    ops, alice = keys.identify("Bearer sk-ops-123456"), keys.identify("Bearer sk-alice-1234")
+    assert ops.is_admin and ops.scope is None and keys.has_admin
+    assert (alice.name, alice.tenant, alice.role, alice.scope) == ("alice", "team-a", "user", "team-a")
+    assert alice.limits.requests_per_minute == 5 and alice.limits.max_concurrent_streams == 2
+    assert keys.identify("Bearer sk-nobody") is None
+    json_file = tmp_path / "keys.json"
+    json_file.write_text('[{"name": "bob", "key": "sk-bob-12345678"}]')
+    assert ApiKeys.from_sources(json_file, environ={}).identify("Bearer sk-bob-12345678").tenant == "bob"
+    for bad, words in (
+        ('[[keys]]\nname = "x"\nrole = "root"\nkey = "sk-12345678"\n', "role"),
+        ('[[keys]]\nname = "x"\n', "exactly one"),
+        ('[[keys]]\nname = "x"\nkey = "sk-12345678"\n[[keys]]\nname = "x"\nkey = "sk-87654321"\n', "twice"),
+        ('[[keys]]\nname = "x"\nkey = "sk-12345678"\nrpm = 3\n', "rpm"),
+    ):
+        toml.write_text(bad)
+        with pytest.raises(KeyFileError) as e:
+            ApiKeys.from_sources(toml, environ={})
+        assert words in str(e.value)
+
+
+def test_plain_keys_are_users_unless_there_is_only_one(tmp_path: Path) -> None:
+    one = ApiKeys(["sk-only"])
+    assert one.identify("Bearer sk-only").is_admin  # a single-key server behaves as before
+    two = ApiKeys(["sk-a", "sk-b"])
+    a, b = two.identify("Bearer sk-a"), two.identify("Bearer sk-b")
+    assert not a.is_admin and not b.is_admin and a.tenant != b.tenant
+    assert a.tenant.startswith("key-") and "sk-a" not in a.tenant
+
+
+def test_reload_drops_a_removed_key(tmp_path: Path) -> None:
+    f = tmp_path / "keys.txt"
+    f.write_text("sk-one\nsk-two\n")
+    keys = ApiKeys.from_sources(f, environ={})
+    assert keys.check("Bearer sk-two")
+    f.write_text("sk-one\n")
+    keys.reload()
+    assert not keys.check("Bearer sk-two") and keys.check("Bearer sk-one")
+    f.write_text("[[keys]]\nname = 'broken'\n")
+    with pytest.raises(ValueError):
+        keys.reload()
+    assert keys.check("Bearer sk-one")  # a bad file leaves the keys as they were

@@ -34,9 +34,24 @@ def test_requests_need_a_valid_bearer_key(keyed) -> None:
     r = httpx.get(f"{keyed.v1}/models")
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert r.json()["error"]["code"] == "invalid_api_key"
-    # health, readiness and metrics stay open for probes and scrapers
+    # health and readiness stay open for probes; /metrics takes a key (any key: a plain key file
+    # names no admin), so a scraper sends one
     assert httpx.get(f"{keyed.url}/ready").status_code == 200
-    assert httpx.get(f"{keyed.url}/metrics").status_code == 200
+    assert httpx.get(f"{keyed.url}/metrics").status_code == 401
+    assert httpx.get(f"{keyed.url}/metrics", headers={"Authorization": "Bearer sk-first"}).status_code == 200
+
+
+def test_plain_keys_each_keep_their_uploads(keyed, samples: Path) -> None:
+    """Two plain keys are two tenants: one's upload is a 404 to the other."""
+    data = (samples / "images" / "rgba.png").read_bytes()
+    first = {"Authorization": "Bearer sk-first"}
+    r = httpx.post(f"{keyed.v1}/media", files={"file": ("a.png", data)}, headers=first)
+    media_id = r.json()["data"][0]["media"]["id"]
+    assert httpx.get(f"{keyed.v1}/media/{media_id}", headers=first).status_code == 200
+    assert (
+        httpx.get(f"{keyed.v1}/media/{media_id}", headers={"Authorization": "Bearer sk-second"}).status_code
+        == 404
+    )
 
 
 def test_no_keys_off_loopback_refuses_to_start(tmp_path: Path) -> None:
