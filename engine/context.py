@@ -42,6 +42,7 @@ from engine.grammar import Grammar, GrammarMatcher
 from engine.lora import AdapterStack
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable, rows_key
+from engine.pass_sampling import SampleRequest
 from engine.penalties import Penalties, PenaltyState
 from engine.tool_calls import tool_call_format
 from media import check_int
@@ -137,6 +138,12 @@ class Context:
         self._argmax_hint: tuple[torch.Tensor, int] | None = None
         """(logits, their argmax) from the runner (``StepInput.argmax``); used only while
         those very logits are ``_last_logits``."""
+        self._sample_request: SampleRequest | None = None
+        """Set by ``stream`` around a pass whose row it samples next: the runner samples
+        it with the rest of the pass (``engine.pass_sampling``)."""
+        self._sample_hint: tuple[torch.Tensor, sampling.Sampler, int] | None = None
+        """(logits, sampler, the token the runner drew from them); taken once, only for
+        those very logits and that sampler."""
         # After flush(): the last committed row's final hidden state, its logits not yet
         # computed (the LM head runs only if something samples or asks for them).
         self._last_hidden: torch.Tensor | None = None
@@ -426,8 +433,19 @@ class Context:
         gen = _Emission(self, cond, tracker, matcher, logprobs)
         budget = _token_budget(cond)
         jump = matcher is not None and not sampler.is_custom
+        # Rows this generation samples as they come are sampled in their pass, batched
+        # with the pass's other contexts, unless a grammar or a custom sampler decides
+        # (or, greedy without penalties, the runner's pass-wide argmax already serves).
+        batched = None
+        argmax_serves = sampler.is_greedy and adjust is None and self.model.runner.batch_argmax
+        if matcher is None and not sampler.is_custom and not argmax_serves:
+            batched = SampleRequest(sampler, self._rng(), adjust)
         with self._guard():
-            await self._ensure_logits()
+            self._sample_request = batched
+            try:
+                await self._ensure_logits()
+            finally:
+                self._sample_request = None
         self._check_open()
         if drafter is not None:
             drafter.update(self.token_ids)
@@ -468,7 +486,11 @@ class Context:
                 drafts = []
                 self.model.counters.fed_back_tokens += 1
                 with self._guard():
-                    await self._prefill("last")
+                    self._sample_request = batched
+                    try:
+                        await self._prefill("last")
+                    finally:
+                        self._sample_request = None
                 self._check_open()  # closed while that pass ran: its rows are gone
                 assert self._last_logits is not None
                 rows = [self._last_logits]
@@ -546,6 +568,12 @@ class Context:
     ) -> int:
         """The next token from one row of logits (penalties, grammar mask, then the sampler
         and this context's generator); the matcher and the penalty counts advance past it."""
+        drawn = self._sample_hint
+        if drawn is not None and matcher is None and drawn[0] is logits and drawn[1] == sampler:
+            self._sample_hint = None  # the runner drew it, penalties applied, in its pass
+            if adjust is not None:
+                adjust.add(drawn[2])
+            return drawn[2]
         if adjust is not None:
             logits = adjust.apply(logits)  # a new tensor: the runner's argmax hint is not for it
         hint = self._argmax_hint
@@ -578,7 +606,7 @@ class Context:
                 raise
         self._check_open()  # closed while the pass ran: its rows are gone
         self._n = end
-        self._last_logits = self._last_hidden = self._argmax_hint = None
+        self._last_logits = self._last_hidden = self._argmax_hint = self._sample_hint = None
         counters = self.model.counters
         counters.fed_back_tokens += end - start  # generation rows, so prompt_tokens stays right
         counters.drafted_tokens += len(drafts)
@@ -915,6 +943,8 @@ class Context:
                     self._last_hidden = None
                     if step.argmax is not None and want == "last":
                         self._argmax_hint = (result, step.argmax)
+                    if step.sampled is not None and step.sample is not None:
+                        self._sample_hint = (self._last_logits, step.sample.sampler, step.sampled)
         if want == "all":
             return torch.cat(collected) if collected else torch.empty(0, self.model.arch.vocab_size)
         if want == "states":
@@ -1012,6 +1042,7 @@ class Context:
             block_ids=block_ids,
             logits=want,
             adapters=self.adapters.items,
+            sample=self._sample_request if want in ("last", "last+hidden") else None,
         )
 
     def _media_rows(self, rows: list[Row]) -> list[MediaRows]:

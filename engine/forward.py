@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
+from engine import sampling_kernel
 from engine.architectures import Architecture, TextInputs
 from engine.attention import AttentionBackend, BatchMeta, SeqMeta
 from engine.errors import InvalidRequestError
 from engine.kv_pool import KVPool
 from engine.lora import pass_adapters
+from engine.pass_sampling import SampleRequest, sample_pass
 
 if TYPE_CHECKING:
     from encoders import Encoded, Prepared
@@ -88,6 +90,10 @@ class StepInput:
     """Set by the runner for a "last" step when ``ForwardRunner.batch_argmax`` is on: the
     argmax of its logits, read for the whole pass in one device-to-host copy (a greedy
     context then needs no read of its own)."""
+    sample: SampleRequest | None = None
+    """For a "last" or "last+hidden" step: sample its last row in the pass, batched with
+    the pass's other requests (``engine.pass_sampling``); the token lands in ``sampled``."""
+    sampled: int | None = None
 
 
 class ForwardRunner:
@@ -115,6 +121,8 @@ class ForwardRunner:
         """One-token decode passes replayed from CUDA graphs (``engine.decode_graphs``), or None."""
         self.head: BatchedHead | None = None
         """What "head" steps get back (``BatchedHead``); None: such steps are refused."""
+        if device.type == "cpu":
+            sampling_kernel.warm_in_background()  # the passes' sampler, before a request needs it
 
     def run(self, steps: list[StepInput]) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
         """Per step: (V,) logits for "last", (rows, V) for "all", the last row's (H,) final
@@ -123,7 +131,9 @@ class ForwardRunner:
         if not steps:
             return []
         if self.graphs is not None and self.graphs.takes(steps):
-            return list(self.graphs.run(steps))
+            replayed: list = list(self.graphs.run(steps))
+            sample_pass(steps, replayed)
+            return replayed
         dev = self.device
         ps = self.pool.page_size
         ids: list[int] = []
@@ -301,6 +311,7 @@ class ForwardRunner:
                 picked = logits[torch.tensor([r for _, r in last_rows], device=logits.device)]
             for (step, _), best in zip(last_rows, picked.argmax(dim=-1).tolist(), strict=True):
                 step.argmax = best
+        sample_pass(steps, out)
         return out
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,11 @@ min_tokens_to_keep=1), then softmax:
 - min-p removes tokens whose probability is < min_p * max probability.
 
 Temperature 0 means greedy (argmax, first index on ties, as `torch.argmax` and transformers).
-Drawing: one uniform per sampled row from that row's generator, inverted through the float64 CDF,
-so a seeded context yields the same tokens whatever else shares its batch.
+Drawing: one uniform per sampled row from that row's generator, inverted through the float64 CDF
+in vocabulary order, so a seeded context yields the same tokens whatever else shares its batch.
+On the CPU, temperature/top-k/top-p/min-p rows use `engine.sampling_kernel`, which keeps the
+same sets and draws the same way without sorting the vocabulary (equal logits straddling a top-p
+boundary are kept highest id first there); `probs` and `dist` stay the torch reference.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import sampling_kernel
 from media import InvalidRequestError, check_int, check_number
 
 CustomFn = Callable[[list[int], list[float]], int]
@@ -286,13 +290,15 @@ def _uniforms(n: int, generators: Generators, rows: list[int]) -> torch.Tensor:
 
 
 def _draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw per row; never returns a zero-probability token."""
+    """Inverse-CDF draw per row; never returns a zero-probability token; -1 for a row
+    with no finite probabilities (all -inf or NaN logits)."""
     cdf = p.double().cumsum(dim=-1)
     total = cdf[:, -1:]
-    if not bool(((total > 0) & torch.isfinite(total)).all()):
-        raise ValueError("cannot sample: a row has no finite logits (all -inf or NaN)")
+    ok = (total > 0) & torch.isfinite(total)
+    total = torch.where(ok, total, torch.ones_like(total))
     x = torch.minimum(u.to(cdf.device).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+    drawn = torch.searchsorted(cdf, x, right=True).squeeze(1)
+    return torch.where(ok.squeeze(1), drawn, torch.full_like(drawn, -1))
 
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
@@ -314,8 +320,22 @@ def sample(
 
     samplers: one for all rows or one per row. generators: None (torch's default RNG), one
     generator for the whole batch (rows draw consecutively from it), or one per row (None
-    entries use the default RNG). Greedy rows draw nothing.
+    entries use the default RNG). Greedy rows draw nothing. Temperature, top-k, top-p and
+    min-p rows on the CPU go through ``engine.sampling_kernel`` (one compiled call for all
+    of them, no sort of the vocabulary), elsewhere through torch.
     """
+    out = sample_or_mark(logits, samplers, generators)
+    if bool((out < 0).any()):
+        raise ValueError("cannot sample: a row has no finite logits (all -inf or NaN)")
+    return out
+
+
+def sample_or_mark(
+    logits: torch.Tensor, samplers: Sampler | Sequence[Sampler], generators: Generators = None
+) -> torch.Tensor:
+    """``sample``, with -1 for a sampled row that has no finite logits instead of an error
+    (a forward pass samples many contexts' rows at once: one broken row must not fail
+    the others). Custom samplers still raise on a bad choice."""
     scores = _rows(logits)
     n = scores.shape[0]
     rows = _per_row(samplers, n)
@@ -330,9 +350,27 @@ def sample(
     if plain:
         idx = torch.tensor(plain, device=scores.device)
         sub = scores if len(plain) == n else scores[idx]
-        kept, ids = _filter(sub, [rows[i] for i in plain])
-        drawn = _draw(kept.softmax(dim=-1), _uniforms(n, generators, plain))
-        out[idx] = drawn if ids is None else ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
+        chosen = [rows[i] for i in plain]
+        u = _uniforms(n, generators, plain)
+        if scores.device.type == "cpu" and sampling_kernel.available():
+            out[idx] = torch.from_numpy(
+                sampling_kernel.sample_rows(
+                    sub,
+                    np.array([s.temperature for s in chosen], dtype=np.float32),
+                    np.array([s.topk or 0 for s in chosen], dtype=np.int64),
+                    np.array([s.topp for s in chosen], dtype=np.float64),
+                    np.array([s.minp for s in chosen], dtype=np.float64),
+                    u.numpy(),
+                )
+            )
+        else:
+            kept, ids = _filter(sub, chosen)
+            drawn = _draw(kept.softmax(dim=-1), u)
+            if ids is not None:
+                drawn = torch.where(
+                    drawn >= 0, ids.gather(1, drawn.clamp(min=0).unsqueeze(1)).squeeze(1), drawn
+                )
+            out[idx] = drawn
     for i, s in enumerate(rows):
         if s.is_custom:
             out[i] = _run_custom(scores[i], s)

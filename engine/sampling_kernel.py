@@ -1,0 +1,388 @@
+"""Sampling on the CPU without sorting the vocabulary: one compiled call for every sampled
+row of a pass, with per-row temperature, top-k, top-p, min-p and uniform.
+
+Why: a top-p row sorted all of its 151,936 logits (16 ms a row here, 0.5 s for a pass of
+32 contexts), and a model with random weights, whose rows are nearly flat, keeps ~130k of
+them in its nucleus, so taking the top 1024 candidates first would not help it either.
+This kernel reads each row a few times, in order, and sorts only a few dozen tokens:
+
+1. the row's max and min (numpy); ``t = logits / T`` as torch divides (float32);
+2. ``e = exp(t - max)`` and each token's bin, ``floor((max - t) / w)`` of 4096 equal-width
+   bins (``w`` = the row's range / 4095, at most 1/64; what falls past the last bin
+   shares it), vectorised: ``exp(-d) = exp(-i / 64) * exp(-r)`` with ``i = floor(64 d)``
+   from a table and a degree-4 polynomial for ``r < 1/64`` (truncation < 1e-10, then a
+   few float32 roundings, as torch's own exp; the few tokens with ``d`` past 64 get a
+   true exp);
+3. a histogram of the bins' masses and counts, and per bin a list of its tokens;
+4. each filter is a cut in the tokens' order (value descending, then id descending):
+   top-k walks the bins' counts, top-p their masses (over what top-k keeps), min-p the
+   bins around ``-log(min_p)``; only the tokens of the bin where a cut falls are sorted,
+   and the strictest cut wins (every filter keeps an upper set of that order);
+5. the draw: the first token, in vocabulary order, whose kept cumulative mass exceeds
+   ``u`` times the kept mass (block sums first, then one block token by token): the same
+   inverse-CDF draw as ``engine.sampling``'s torch code, so a seeded row draws the same
+   token unless ``u`` falls within float rounding of a step of the CDF.
+
+What is kept is what ``engine.sampling.probs`` keeps (transformers' warper chain), up to
+float rounding at a top-p or min-p boundary, and one rule where transformers has none:
+tokens with equal logits that straddle a top-p boundary are kept highest id first
+(transformers' unstable sort keeps whichever it meets). Without numba, ``available()``
+is False and ``engine.sampling`` uses its torch code.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import torch
+
+BINS = 4096
+WIDEST = 1 / 64
+"""The widest bin, in units of logit / T: rows spanning more than 64 units put what lies
+past 64 (probabilities under e^-64 of the top one's) into the last bin."""
+_lock = threading.Lock()
+_kernels = None
+_failed = False
+_warming = False
+
+
+def available() -> bool:
+    """Whether the compiled kernel is usable here (numba imports and compiles)."""
+    return _get() is not None
+
+
+def warm_in_background() -> None:
+    """Compile (or load from numba's cache: ~2 s here, ~10 s cold) both kernels on a
+    daemon thread, once per process, so the first sampled request does not wait for it
+    (a model's runner calls this when it is made)."""
+    global _warming
+    with _lock:
+        if _warming:
+            return
+        _warming = True
+
+    def warm() -> None:
+        if available():
+            x = torch.zeros(1, 8)
+            one = np.ones(1)
+            sample_rows(x, one, one.astype(np.int64), one * 0.5, one * 0.1, one * 0.5)
+            kept_masks(x, one, one.astype(np.int64), one * 0.5, one * 0.1)
+
+    threading.Thread(target=warm, name="pie-sampling-kernel-warm", daemon=True).start()
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    u: np.ndarray,
+) -> np.ndarray:
+    """One token per row of ``logits`` ((B, V) CPU): temperature (> 0), top_k (0: none),
+    top_p (1: none), min_p (0: none), u (one U[0, 1) draw per row). Returns (B,) int64;
+    -1 marks a row that cannot be sampled (NaN, +inf, or no finite logit)."""
+    kernels = _get()
+    assert kernels is not None, "sample_rows needs numba (check available())"
+    x, hi, lo = _prepare(logits)
+    out = np.empty(x.shape[0], dtype=np.int64)
+    if x.shape[0]:
+        kernels["batch"](
+            x, hi, lo, *_params(temperature, top_k, top_p, min_p), np.asarray(u, np.float64), out
+        )
+    return out
+
+
+def kept_masks(
+    logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray
+) -> np.ndarray:
+    """(B, V) bool: the tokens ``sample_rows`` may draw (nonzero probability after the
+    filters), for rows with a finite max (what the tests compare with the definitions)."""
+    kernels = _get()
+    assert kernels is not None, "kept_masks needs numba (check available())"
+    x, hi, lo = _prepare(logits)
+    out = np.zeros(x.shape, dtype=np.bool_)
+    kernels["masks"](x, hi, lo, *_params(temperature, top_k, top_p, min_p), out)
+    return out
+
+
+def _prepare(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows as float32 numpy (contiguous), their max and min (numpy's are vectorised,
+    numba's NaN-aware ones are not)."""
+    x = logits.detach().to(torch.float32).contiguous().numpy()
+    with np.errstate(invalid="ignore"):
+        return x, x.max(axis=1), x.min(axis=1)
+
+
+def _params(temperature, top_k, top_p, min_p) -> tuple[np.ndarray, ...]:
+    return (
+        np.asarray(temperature, dtype=np.float32),
+        np.asarray(top_k, dtype=np.int64),
+        np.asarray(top_p, dtype=np.float64),
+        np.asarray(min_p, dtype=np.float64),
+    )
+
+
+def _get():
+    global _kernels, _failed
+    if _kernels is not None or _failed:
+        return _kernels
+    with _lock:
+        if _kernels is None and not _failed:
+            try:
+                _kernels = _compile()
+            except Exception:  # numba missing or unable to compile here: the torch path
+                _failed = True
+    return _kernels
+
+
+def _compile():
+    import numba
+
+    njit = numba.njit(nogil=True, cache=True)
+    fast = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract", "nsz"})
+    nbins, widest = BINS, WIDEST
+    one, half, sixth, twentyfourth = (np.float32(v) for v in (1.0, 0.5, 1.0 / 6.0, 1.0 / 24.0))
+    table = np.exp(-np.arange(4096) / 64.0).astype(np.float32)  # exp(-i / 64), i / 64 < 64
+
+    @njit
+    def kept(b, t, j, cut_b, cut_t, cut_id):
+        return b < cut_b or (b == cut_b and (t > cut_t or (t == cut_t and j >= cut_id)))
+
+    @fast
+    def exps(x, temp, mx, inv_w, e, bins):
+        """e = exp(x / temp - mx) and each token's bin (see the module's doc); tokens past
+        the table need ``far_exps`` after."""
+        cap_e = np.float32(63.99)
+        cap_b = np.float32(nbins - 0.5) / inv_w
+        for j in range(x.shape[0]):
+            d = mx - x[j] / temp
+            de = min(d, cap_e)
+            b = np.int32(de * np.float32(64.0))
+            r = de - np.float32(b) * np.float32(1.0 / 64.0)
+            e[j] = table[b] * (one - r * (one - r * (half - r * (sixth - r * twentyfourth))))
+            bins[j] = np.int32(min(d, cap_b) * inv_w)
+
+    @njit
+    def far_exps(x, temp, mx, e):
+        """The true exp of the tokens past the table (0 for -inf)."""
+        cap_e = np.float32(63.99)
+        for j in range(x.shape[0]):
+            t = x[j] / temp
+            if mx - t > cap_e:
+                e[j] = np.float32(math.exp(np.float32(t - mx))) if t != -np.inf else np.float32(0.0)
+
+    @njit
+    def histogram(e, bins, hm, hc, counts):
+        """Each bin's mass (and count, with ``counts``)."""
+        hm[:] = 0.0
+        for j in range(e.shape[0]):
+            hm[bins[j]] += e[j]
+        if counts:
+            hc[:] = 0
+            for j in range(e.shape[0]):
+                hc[bins[j]] += 1
+
+    @njit
+    def members(x, temp, bins, lo_b, hi_b, idx):
+        """The tokens of bins lo_b..hi_b by value descending, then id descending:
+        (ids, values)."""
+        n = 0
+        for j in range(x.shape[0] - 1, -1, -1):
+            b = bins[j]
+            if b >= lo_b and b <= hi_b:
+                idx[n] = j
+                n += 1
+        ids = idx[:n].copy()
+        vals = np.empty(n, dtype=np.float32)
+        tied = True
+        for i in range(n):
+            vals[i] = x[ids[i]] / temp
+            tied = tied and vals[i] == vals[0]
+        if tied:  # one value (a flat row): ids descending is the order already
+            return ids, vals
+        order = np.argsort(-vals, kind="mergesort")  # stable: ids stay descending among ties
+        return ids[order], vals[order]
+
+    @njit
+    def cut(x, temp, k, p, m, inv_w, e, bins, hm, hc, idx):
+        """The strictest filter's cut (bin, value, id): token j is kept iff
+        ``kept(bins[j], x[j] / temp, j, *cut)``."""
+        vocab = x.shape[0]
+        z = 0.0
+        for b in range(nbins):
+            z += hm[b]
+        cut_b, cut_t, cut_id = nbins, -np.inf, 0
+        # top-k: keep every token whose value is >= the k-th largest (ties all kept).
+        zk = z
+        bk = nbins
+        kmass = 0.0  # mass of bin bk's kept tokens
+        if 0 < k < vocab:
+            count = 0
+            bk = 0
+            while bk < nbins - 1 and count + hc[bk] < k:
+                count += hc[bk]
+                bk += 1
+            ids, vals = members(x, temp, bins, bk, bk, idx)
+            kth = vals[k - count - 1]
+            cut_b, cut_t, cut_id = bk, kth, 0
+            zk = 0.0
+            for b in range(bk):
+                zk += hm[b]
+            for i in range(vals.shape[0]):
+                if vals[i] >= kth:
+                    kmass += e[ids[i]]
+            zk += kmass
+        # top-p over what top-k keeps: a token is kept iff the mass before it (in the
+        # order) is < p * (top-k's mass).
+        if p < 1.0:
+            target_p = p * zk
+            before = 0.0
+            bp = -1
+            for b in range(min(bk, nbins - 1) + 1):
+                mb = hm[b] if b < bk else kmass
+                if before + mb >= target_p:
+                    bp = b
+                    break
+                before += mb
+            if bp >= 0:
+                ids, vals = members(x, temp, bins, bp, bp, idx)
+                last_t, last_id = vals[0], ids[0]
+                for i in range(vals.shape[0]):
+                    if (bp == bk and vals[i] < cut_t) or before >= target_p:
+                        break  # past top-k's cut in its own bin, or past the nucleus
+                    last_t, last_id = vals[i], ids[i]
+                    before += e[ids[i]]
+                if bp < cut_b or (bp == cut_b and (last_t > cut_t or (last_t == cut_t and last_id > cut_id))):
+                    cut_b, cut_t, cut_id = bp, last_t, last_id
+        # min-p: keep e >= min_p (the top token's e is 1). Bins before the band around
+        # -log(min_p) are all kept, bins after it all dropped; the band's tokens are
+        # checked one by one.
+        if m > 0.0:
+            thr = -math.log(m)
+            lo_b = min(max(int((thr - 1e-4) * inv_w) - 1, 0), nbins - 1)
+            hi_b = min(int((thr + 1e-4) * inv_w) + 1, nbins - 1)
+            mb, mt = lo_b, np.inf  # nothing in the band kept: the bins before it only
+            ids, vals = members(x, temp, bins, lo_b, hi_b, idx)
+            for i in range(ids.shape[0]):
+                if e[ids[i]] >= m and (mt == np.inf or vals[i] < mt):
+                    mb, mt = bins[ids[i]], vals[i]
+            if mb < cut_b or (mb == cut_b and mt > cut_t):
+                cut_b, cut_t, cut_id = mb, mt, 0
+        return cut_b, cut_t, cut_id
+
+    @fast
+    def block_sums(e, bins, cut_b, sums):
+        """Per block of 256 tokens (vocabulary order), the mass of those in bins before
+        ``cut_b`` (all kept); vectorised."""
+        vocab = e.shape[0]
+        for i in range(sums.shape[0]):
+            s = 0.0
+            for j in range(i * 256, min(vocab, i * 256 + 256)):
+                s += np.float64(e[j]) * (bins[j] < cut_b)
+            sums[i] = s
+
+    @njit
+    def draw(x, temp, e, bins, cut_b, cut_t, cut_id, u):
+        """The first token whose kept cumulative mass, in vocabulary order, exceeds u times
+        the kept mass (blocks of 256 summed first); never a zero-probability token."""
+        vocab = x.shape[0]
+        mass = np.empty((vocab + 255) // 256)
+        block_sums(e, bins, cut_b, mass)
+        if cut_b < nbins:  # the kept tokens of the cut's own bin
+            for j in range(vocab):
+                if bins[j] == cut_b and kept(cut_b, x[j] / temp, j, cut_b, cut_t, cut_id):
+                    mass[j >> 8] += e[j]
+        total = 0.0
+        for i in range(mass.shape[0]):
+            total += mass[i]
+        target = u * total
+        if target >= total:
+            target = np.nextafter(total, 0.0)
+        c = 0.0
+        last_block = -1
+        for i in range(mass.shape[0]):
+            if mass[i] <= 0:
+                continue
+            last_block = i
+            if c + mass[i] <= target:
+                c += mass[i]
+                continue
+            for j in range(i * 256, min(vocab, i * 256 + 256)):
+                if e[j] > 0 and kept(bins[j], x[j] / temp, j, cut_b, cut_t, cut_id):
+                    c += e[j]
+                    if c > target:
+                        return j
+            break  # float rounding between the block's sum and its tokens': its last token
+        if last_block < 0:
+            return -1
+        for j in range(min(vocab, last_block * 256 + 256) - 1, last_block * 256 - 1, -1):
+            if e[j] > 0 and kept(bins[j], x[j] / temp, j, cut_b, cut_t, cut_id):
+                return j
+        return -1
+
+    @njit
+    def prepare(x, mx_raw, mn_raw, temp, e, bins, hm, hc, filtered, counts):
+        """Steps 2 and 3 for one row with a finite max; returns 1 / w."""
+        mx = mx_raw / temp
+        mn = mn_raw / temp
+        masked = mn == -np.inf
+        if masked:  # -inf (masked) tokens: the bins span the finite ones, their e is 0
+            mn = mx
+            for j in range(x.shape[0]):
+                t = x[j] / temp
+                if t < mn and t != -np.inf:
+                    mn = t
+        far = masked or mx - mn > np.float32(63.99)
+        if mx - mn > np.float32(63.99):
+            mn = mx - 64  # the bins span what the table covers; the rest share the last
+        w = min(widest, (np.float64(mx) - np.float64(mn)) / (nbins - 1))
+        if not w > 1e-30:
+            w = widest
+        inv_w = np.float32(1.0 / w)
+        exps(x, temp, mx, inv_w, e, bins)
+        if far:
+            far_exps(x, temp, mx, e)
+        if filtered:
+            histogram(e, bins, hm, hc, counts)
+        return np.float64(inv_w)
+
+    @njit
+    def batch(x, his, los, temps, ks, ps, ms, us, out):
+        vocab = x.shape[1]
+        e = np.empty(vocab, dtype=np.float32)
+        bins = np.empty(vocab, dtype=np.uint16)
+        idx = np.empty(vocab, dtype=np.int64)
+        hm = np.empty(nbins)
+        hc = np.empty(nbins, dtype=np.int64)
+        for r in range(x.shape[0]):
+            mx_raw = his[r]
+            if not (mx_raw == mx_raw) or mx_raw == np.inf or mx_raw == -np.inf:  # NaN, +inf, none finite
+                out[r] = -1
+                continue
+            row, temp, k, p, m = x[r], temps[r], ks[r], ps[r], ms[r]
+            filtered = (0 < k < vocab) or p < 1.0 or m > 0.0
+            inv_w = prepare(row, mx_raw, los[r], temp, e, bins, hm, hc, filtered, 0 < k < vocab)
+            cut_b, cut_t, cut_id = nbins, -np.inf, 0
+            if filtered:
+                cut_b, cut_t, cut_id = cut(row, temp, k, p, m, inv_w, e, bins, hm, hc, idx)
+            out[r] = draw(row, temp, e, bins, cut_b, cut_t, cut_id, us[r])
+
+    @njit
+    def masks(x, his, los, temps, ks, ps, ms, out):
+        vocab = x.shape[1]
+        e = np.empty(vocab, dtype=np.float32)
+        bins = np.empty(vocab, dtype=np.uint16)
+        idx = np.empty(vocab, dtype=np.int64)
+        hm = np.empty(nbins)
+        hc = np.empty(nbins, dtype=np.int64)
+        for r in range(x.shape[0]):
+            row, temp = x[r], temps[r]
+            inv_w = prepare(row, his[r], los[r], temp, e, bins, hm, hc, True, 0 < ks[r] < vocab)
+            cb, ct, ci = cut(row, temp, ks[r], ps[r], ms[r], inv_w, e, bins, hm, hc, idx)
+            for j in range(vocab):
+                out[r, j] = e[j] > 0 and kept(bins[j], row[j] / temp, j, cb, ct, ci)
+
+    return {name: fn for name, fn in locals().items() if isinstance(fn, numba.core.registry.CPUDispatcher)}
