@@ -23,6 +23,7 @@ from api.http.inferlet_runs import RunTable
 from api.http.inferlets_store import InferletStore
 from api.http.job_runner import JobRunner
 from api.http.jobs_store import JobStore
+from api.http.key_limits import KeyLimitsMiddleware
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.openapi import install_openapi
@@ -218,4 +219,13 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     for r in ROUTERS:
         app.include_router(r, dependencies=auth)
     app.add_middleware(_RequestMetrics, metrics=lambda: service.metrics)
+    if keys.enabled:
+        m = service.metrics
+        app.add_middleware(
+            KeyLimitsMiddleware,
+            identify=keys.identify,
+            limiter=service.key_limits,
+            on_request=lambda caller: m.key_requests.labels(caller.name).inc(),
+            on_limited=lambda caller, code: m.key_limited.labels(caller.name, code).inc(),
+        )
     return app

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -12,6 +12,7 @@ from api.http.inferlet_runs import RunTable
 from api.http.inferlets_store import InferletStore
 from api.http.job_runner import JobRunner
 from api.http.jobs_store import JobStore
+from api.http.key_limits import KeyLimiter
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.registry import ModelRegistry
@@ -30,7 +31,7 @@ _STATUS_TEXT = {
     408: "The request took too long",
     409: "Conflicts with the resource's state (e.g. a cancelled inferlet run)",
     422: "Remote media could not be fetched, or an inferlet run failed (trap, limit, timeout)",
-    429: "The model is at its concurrency limit; retry after Retry-After seconds",
+    429: "The model is at its concurrency limit, or the key at one of its limits; retry after Retry-After seconds",
     503: "Models not loaded yet, or the KV pool is full",
 }
 
@@ -50,6 +51,8 @@ class Service:
     inferlet_runs: RunTable
     inferlets: Any = None
     """The ``inferlets.InferletRuntime`` over the served models (set once they are loaded)."""
+    key_limits: KeyLimiter = field(default_factory=KeyLimiter)
+    """Per-key request, token, stream and storage limits (``api.http.key_limits``)."""
 
     @staticmethod
     def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -57,6 +57,10 @@ STATUS_BY_CODE: dict[str, int] = {
     "media_not_found": 404,
     "not_found": 404,
     "queue_full": 429,
+    "rate_limit_exceeded": 429,
+    "too_many_streams": 429,
+    "storage_limit_exceeded": 429,
+    "admin_key_required": 403,
     "not_ready": 503,
     "invalid_api_key": 401,
     # remote media (a failed fetch is the caller's URL, not our outage: 4xx, no retry)

@@ -11,7 +11,7 @@ from api.http.deps import Service
 from api.http.registry import ServedModel
 from api.http.schemas import PromptTokensDetails, ResponseFormat, Usage
 from api.http.settings import ServeSettings
-from api.http.tenancy import current_caller, enter
+from api.http.tenancy import ANONYMOUS, current_caller, enter
 from engine import (
     Completion,
     CompletionParams,
@@ -184,8 +184,13 @@ class TokenTiming:
 
     def done(self, completion: Completion) -> None:
         m = self.service.metrics
-        m.prompt_tokens.labels(self.name).inc(completion.prompt_tokens)
-        m.generated_tokens.labels(self.name).inc(sum(completion.completion_tokens))
+        prompt, generated = completion.prompt_tokens, sum(completion.completion_tokens)
+        m.prompt_tokens.labels(self.name).inc(prompt)
+        m.generated_tokens.labels(self.name).inc(generated)
+        caller = current_caller()
+        if caller is not ANONYMOUS:
+            m.key_tokens.labels(caller.name).inc(prompt + generated)
+            self.service.key_limits.charge_tokens(caller, prompt + generated)
 
 
 def scope_caches(service: Service, salt: str | None) -> None:

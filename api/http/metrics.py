@@ -160,6 +160,19 @@ class ServiceMetrics:
             registry=r,
         )
         self.media_errors = Counter("pie_media_errors", "Typed errors by code", ["code"], registry=r)
+        # per key, by the key's name from the key file (never the key itself)
+        self.key_requests = Counter(
+            "pie_media_key_requests", "Authenticated /v1 requests by key name", ["key"], registry=r
+        )
+        self.key_tokens = Counter(
+            "pie_media_key_tokens", "Prompt plus generated tokens by key name", ["key"], registry=r
+        )
+        self.key_limited = Counter(
+            "pie_media_key_limited",
+            "Requests refused (429) at a per-key limit, by key name and limit",
+            ["key", "limit"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "pie_media_prompt_tokens", "Prompt tokens (media included)", ["model"], registry=r
         )

@@ -16,6 +16,7 @@ from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError
 from api.http.files_store import FileRecord
+from api.http.routes.media import storage_room
 from api.http.tenancy import current_caller
 from api.http.uploads import receive_multipart
 from media import InvalidRequestError
@@ -81,6 +82,7 @@ async def upload_file(request: Request, service: Service = Depends(get_service))
                 f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose"
             )
         f = form.files[0]
+        await storage_room(service, f.size)
         record = await asyncio.to_thread(
             functools.partial(
                 service.files.add,

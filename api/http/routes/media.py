@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from api.http.audit import audit
 from api.http.deps import Service, get_service, multipart_body, receive_upload
 from api.http.errors import ServiceError, error_body, status_for
+from api.http.key_limits import check_storage
 from api.http.schemas import MediaDeleted, MediaObject, MediaUploadResponse, MediaUploadResult
 from api.http.tenancy import current_caller
 from encoders import UnsupportedMediaKindError
@@ -41,6 +42,17 @@ def media_object(record: Any) -> MediaObject:
     )
 
 
+async def storage_room(service: Service, adding: int) -> None:
+    """429 when ``adding`` bytes would pass the caller's stored-bytes limit (uploads and
+    files of its tenant together)."""
+    caller = current_caller()
+    if caller.limits.max_stored_bytes is None:
+        return
+    used = await asyncio.to_thread(service.store.stored_bytes, caller.tenant)
+    used += await asyncio.to_thread(service.files.stored_bytes, caller.tenant)
+    check_storage(caller, used, adding)
+
+
 def token_counts(service: Service, media: Any) -> dict[str, int | None]:
     """Tokens each loaded chat model spends on ``media`` (None: it cannot take this kind)."""
     out: dict[str, int | None] = {}
@@ -54,6 +66,7 @@ def token_counts(service: Service, media: Any) -> dict[str, int | None]:
 
 async def ingest(service: Service, spooled: Any) -> MediaObject:
     """Decode, validate, count and store one spooled upload (the spool file is consumed)."""
+    await storage_room(service, spooled.size)
     data = await asyncio.to_thread(spooled.path.read_bytes)
     media = await asyncio.to_thread(open_media, data, service.media.limits)
     counts = await asyncio.to_thread(token_counts, service, media)
@@ -99,7 +112,9 @@ async def upload_media(request: Request, service: Service = Depends(get_service)
         status = status_for(first_error)
         body = error_body(f"{first_error.message}", status, code=first_error.code, param="file")
         body["data"] = [r.model_dump() for r in results]
-        return JSONResponse(body, status, headers={"x-should-retry": "false"})
+        retry_after = getattr(first_error, "retry_after", None)
+        headers = {"Retry-After": str(retry_after)} if retry_after else {"x-should-retry": "false"}
+        return JSONResponse(body, status, headers=headers)
     return MediaUploadResponse(data=results)
 
 

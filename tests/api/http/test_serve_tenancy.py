@@ -23,7 +23,14 @@ from tests.api.http.conftest import Server, start_server, stop_server
 
 QWEN = "tiny-qwen3-vl"
 EXAMPLES = Path(__file__).resolve().parents[3] / "inferlets" / "examples"
-KEYS = {"admin": "sk-admin-0123456789", "alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789"}
+KEYS = {
+    "admin": "sk-admin-0123456789",
+    "alice": "sk-alice-0123456789",
+    "bob": "sk-bob-0123456789",
+    "carol": "sk-carol-0123456789",
+    "dave": "sk-dave-0123456789",
+    "erin": "sk-erin-0123456789",
+}
 SYSTEM = "You are a careful assistant. " * 24  # a few pages of shared prefix
 
 
@@ -38,6 +45,23 @@ role = "admin"
 [[keys]]
 name = "alice"
 key = "{KEYS["alice"]}"
+"""
+    text += f"""
+[[keys]]
+name = "carol"
+key = "{KEYS["carol"]}"
+requests_per_minute = 3
+
+[[keys]]
+name = "dave"
+key = "{KEYS["dave"]}"
+max_concurrent_streams = 1
+max_stored_bytes = 2000
+
+[[keys]]
+name = "erin"
+key = "{KEYS["erin"]}"
+tokens_per_minute = 30
 """
     if with_bob:  # bob's entry names the key by its sha256 only
         text += f"""
@@ -277,3 +301,49 @@ def test_sighup_reloads_keys_and_a_removed_key_stops_at_once(tenants: Server) ->
     while bob.get("/models").status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def _limited(r: httpx.Response, code: str) -> None:
+    assert r.status_code == 429, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    err = r.json()["error"]
+    assert err["code"] == code and err["type"] == "rate_limit_error"
+
+
+def test_requests_per_minute(tenants: Server) -> None:
+    carol = http(tenants, "carol")
+    assert [carol.get("/models").status_code for _ in range(3)] == [200, 200, 200]
+    _limited(carol.get("/models"), "rate_limit_exceeded")
+    assert http(tenants, "alice").get("/models").status_code == 200  # one key's limit is its own
+
+
+def test_concurrent_streams_and_stored_bytes(tenants: Server, samples: Path) -> None:
+    dave = http(tenants, "dave")
+    chat = {"model": QWEN, "messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 48}
+    with dave.stream("POST", "/chat/completions", json={**chat, "stream": True}) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        next(lines)  # admitted and running
+        _limited(dave.post("/chat/completions", json=chat), "too_many_streams")
+        for _ in lines:
+            pass
+    assert dave.post("/chat/completions", json=chat).status_code == 200  # the slot came back
+    small = samples / "images" / "cmyk.jpg"  # 1251 bytes of a 2000-byte allowance
+    assert dave.post("/media", files={"file": (small.name, small.read_bytes())}).status_code == 200
+    big = samples / "images" / "exif_rotated_6.jpg"
+    _limited(dave.post("/media", files={"file": (big.name, big.read_bytes())}), "storage_limit_exceeded")
+    _limited(
+        dave.post("/files", files={"file": ("b.jsonl", b"{}" * 500)}, data={"purpose": "batch"}),
+        "storage_limit_exceeded",
+    )
+
+
+def test_tokens_per_minute(tenants: Server) -> None:
+    erin = client(tenants, "erin")
+    assert _cached(erin, "One?") == 0  # admitted with a full bucket; its ~150 tokens overdraw it
+    with pytest.raises(openai.RateLimitError) as e:
+        _cached(erin, "Two?")
+    assert e.value.response.headers["retry-after"] and e.value.code == "rate_limit_exceeded"
+    r = httpx.get(f"{tenants.url}/metrics", headers={"Authorization": f"Bearer {KEYS['admin']}"}).text
+    assert 'pie_media_key_limited_total{key="erin",limit="rate_limit_exceeded"} 1.0' in r
+    assert 'pie_media_key_tokens_total{key="erin"}' in r
