@@ -4,7 +4,6 @@ refills; a key without limits is never counted."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from api.http.errors import ServiceError
