@@ -3,7 +3,6 @@ towers. Knows nothing about KV pages."""
 
 from encoders.base import MediaEncoder, model_fingerprint
 from encoders.cache import CacheStats, EncoderCache
-from encoders.cache_scope import cache_scope, set_cache_scope, use_cache_scope
 from encoders.errors import EncoderError, UnsupportedMediaKindError, UnsupportedModelError
 from encoders.prepared import Encoded, Prepared
 from encoders.registry import encoder_for
@@ -19,9 +18,6 @@ __all__ = [
     "TokenType",
     "UnsupportedMediaKindError",
     "UnsupportedModelError",
-    "cache_scope",
     "encoder_for",
-    "set_cache_scope",
-    "use_cache_scope",
     "model_fingerprint",
 ]

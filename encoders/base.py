@@ -16,10 +16,9 @@ from typing import Any, Self
 import torch
 
 from encoders.cache import EncoderCache
-from encoders.cache_scope import cache_scope
 from encoders.errors import UnsupportedMediaKindError, UnsupportedModelError
 from encoders.prepared import Encoded, MediaKind, Prepared
-from media import Audio, Image, InvalidRequestError, Video, check_int, check_number
+from media import Audio, Image, InvalidRequestError, Video, cache_scope, check_int, check_number
 
 
 def model_fingerprint(model_dir: str | Path | None, config: dict[str, Any]) -> str:

@@ -30,9 +30,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from encoders import cache_scope
 from engine.kv_pool import KVPool
 from engine.page_hashing import MediaRow, PageKey, page_key
+from media import cache_scope
 
 
 class KeyedRow(Protocol):

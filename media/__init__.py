@@ -3,6 +3,7 @@ limits and content-hashed. Knows nothing about models."""
 
 from media.audio import Audio
 from media.audio_split import split_audio
+from media.cache_scope import cache_scope, set_cache_scope, use_cache_scope
 from media.data_url import decode_data_url
 from media.detect import open_media
 from media.errors import (
@@ -25,6 +26,9 @@ from media.video import SampledFrames, SkippedFrame, Video
 from media.video_info import VideoInfo
 
 __all__ = [
+    "cache_scope",
+    "set_cache_scope",
+    "use_cache_scope",
     "Audio",
     "CorruptMediaError",
     "DEFAULT_LIMITS",

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from api.http.errors import ServiceError
-from encoders import cache_scope
 from inferlets import InferletRun, InferletRuntime, RunLimits
 from inferlets.host.errors import InferletLimitError
+from media import cache_scope
 from media.errors import PieMediaError
 
 Status = Literal["running", "succeeded", "failed", "cancelled"]

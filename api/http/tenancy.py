@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from encoders import set_cache_scope
+from media import set_cache_scope
 
 Role = Literal["admin", "user"]
 LEGACY_TENANT = ""

@@ -6,7 +6,7 @@ import queue
 import threading
 from collections.abc import Iterable
 
-from encoders import cache_scope as current_cache_scope
+from media import cache_scope as current_cache_scope
 
 _CLOSED = object()
 

@@ -19,7 +19,6 @@ from typing import Any
 import wasmtime
 from wasmtime import component as wc
 
-from encoders import cache_scope, use_cache_scope
 from inferlets.host import wit_values as wv
 from inferlets.host.control import InferletRun
 from inferlets.host.errors import (
@@ -36,6 +35,7 @@ from inferlets.host.iface_runtime import ModelCalls, RuntimeCalls
 from inferlets.host.iface_speech import SpeechCalls
 from inferlets.host.limits import RunLimits
 from inferlets.host.state import RunState
+from media import cache_scope, use_cache_scope
 from media.errors import PieMediaError
 
 PACKAGE = "pie:media"

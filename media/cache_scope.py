@@ -1,5 +1,7 @@
-"""Whose caches a request may share: the scope that keys the prepared-media and
-encoder-output caches here, and the KV prefix pages in the engine.
+"""Whose caches a request may share: the scope that keys every cache of what media and
+prompts become (prepared media and encoder outputs in ``encoders``, KV prefix pages in
+the engine). It lives in the lowest room, beside the content hashes it qualifies, so every
+room above reads one scope (and importing it loads no torch).
 
 A hit in a shared cache is a timing signal: a faster answer tells the caller someone sent
 that image, or that prompt, before. A serving process with several tenants sets the scope
