@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.api.http.conftest import Server, start_server, stop_server
-from tests.api.ui.conftest import PHONE, UPLOAD_LIMIT, UiServer, open_page
+from tests.api.ui.conftest import KEY, PHONE, UPLOAD_LIMIT, UiServer, open_page
 
 QWEN = "tiny-qwen3-vl"
 EXAMPLES = Path(__file__).resolve().parents[3] / "inferlets" / "examples"
@@ -27,7 +27,7 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "inferlets" / "examples"
 def metric(ui: UiServer, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{ui.url}/metrics").text
+    text = httpx.get(f"{ui.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text  # the admin's
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
