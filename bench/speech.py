@@ -3,7 +3,12 @@
 ``python bench/speech.py [--frames N] [--concurrency 1,4,8,16] [--wide] [--out FILE]`` (or
 ``python -m bench.speech``) runs on the tiny CSM and, with ``--wide``, on a random wider CSM built
 in-process by ``fixtures.tiny_csm.build_variant`` (backbone hidden 512, 4 layers; depth decoder
-hidden 256). Greedy, the same suppression on both sides (ids >= codebook size, as
+hidden 256). ``--shape csm-1b`` runs instead on a random checkpoint of sesame/csm-1b's shape
+(``fixtures.csm_1b_shape``: Llama-3.2-1B backbone, ~100 M depth decoder, 32 codebooks, Mimi as
+transformers builds it; built once into the fixture cache, ~6.5 GB) and first checks that greedy
+codes equal transformers' on the same weights (``--parity-texts`` texts of ``--frames`` frames).
+On a CPU keep it small: ``--shape csm-1b --frames 3 --concurrency 1,8 --no-single`` (a frame
+costs seconds there). Greedy, the same suppression on both sides (ids >= codebook size, as
 tests/speech/test_speech.py ``_reference``), no eos (random weights), ``N`` frames per request
 (default 25 = 2 s of audio), the same frames on every side.
 
@@ -35,7 +40,9 @@ them, as a client of a server without batching does (``ttfa_own_*`` in the JSON:
 request's own start). Ratios: ``batched/serial`` and ``batched/transformers`` of ``agg``; the
 TTFA ratios are ``other p99 / batched p99`` (above 1: batched answers sooner). Aims (issue 21):
 at C=8, batched agg >= 4x serial agg, and batched TTFA p99 <= 2x a lone request's (batched, C=1,
-p50). Each batched/serial cell also records where its time went (timers around the runner's pass,
+p50). Each cell also gives ``real_time_factor`` (wall seconds per second of one request's
+audio: below 1 is faster than real time; issue 32's measure) and ``x_real_time_per_stream``
+(agg / C: each voice's audio seconds per wall second; C voices keep up when it is >= 1). Each batched/serial cell also records where its time went (timers around the runner's pass,
 the frame head = lm_head + depth decoder + frame embedding, and the Mimi chunk decodes; backbone
 = pass - head; the rest = event loop, threads, Python).
 """
@@ -143,16 +150,31 @@ def _http_row(checkpoint: Path, name: str, text: str, seconds: float):
 class Side:
     """One model loaded on both sides: ours (``SpeechModel``) and transformers' reference."""
 
-    def __init__(self, checkpoint: Path, device: str, cuda_graphs: int = 0):
+    def __init__(
+        self,
+        checkpoint: Path,
+        device: str,
+        cuda_graphs: int = 0,
+        dtype: torch.dtype = torch.float32,
+        quantization: str | None = None,
+    ):
         from transformers import AutoProcessor, CsmForConditionalGeneration
 
         from speech import SpeechModel
 
         self.checkpoint = checkpoint
         load: dict[str, Any] = {"cuda_graphs": cuda_graphs} if cuda_graphs else {}
-        self.ours = SpeechModel.load(checkpoint, device=device, **load)
+        if quantization:
+            load["quantization"] = quantization
+        self.quantization = quantization
+        self.ours = SpeechModel.load(checkpoint, device=device, dtype=dtype, **load)
         self.cuda_graphs = getattr(self.ours.head, "graphs", None) is not None
-        self.ref = CsmForConditionalGeneration.from_pretrained(self.ours.path).eval().to(self.ours.device)
+        # On the CPU both sides map the same float32 file: its pages are shared, not held twice.
+        self.ref = (
+            CsmForConditionalGeneration.from_pretrained(self.ours.path, dtype=dtype)
+            .eval()
+            .to(self.ours.device)
+        )
         self.processor = AutoProcessor.from_pretrained(self.ours.path)
         self.non_codec = list(range(self.ours.codebook_size, self.ours.vocab_size))
 
@@ -164,6 +186,8 @@ class Side:
             "depth_decoder": {"hidden": dd.hidden_size, "layers": dd.num_hidden_layers},
             "num_codebooks": cfg.num_codebooks,
             "parameters_m": round(sum(p.numel() for p in self.ours.hf.parameters()) / 1e6, 2),
+            "dtype": str(self.ours.dtype).removeprefix("torch."),
+            "quantization": self.quantization,
             "depth_decoder_cuda_graphs": self.cuda_graphs,
         }
 
@@ -177,7 +201,14 @@ class Side:
 
     def ref_generate(self, inputs: Any, frames: int) -> np.ndarray:
         """transformers' greedy clip, suppression as tests/speech/test_speech.py ``_reference``."""
-        audio = self.ref.generate(
+        return self._ref(inputs, frames).audio[0].float().cpu().numpy()
+
+    def ref_codes(self, inputs: Any, frames: int) -> np.ndarray:
+        """transformers' greedy codes (frames, codebooks)."""
+        return self._ref(inputs, frames).sequences[0].cpu().numpy()
+
+    def _ref(self, inputs: Any, frames: int) -> Any:
+        return self.ref.generate(
             **inputs,
             do_sample=False,
             depth_decoder_do_sample=False,
@@ -185,8 +216,28 @@ class Side:
             suppress_tokens=self.non_codec,
             depth_decoder_suppress_tokens=self.non_codec,
             output_audio=True,
+            return_dict_in_generate=True,
         )
-        return audio[0].float().cpu().numpy()
+
+
+def parity(side: Side, frames: int, texts: int) -> dict[str, Any]:
+    """Greedy codes of ours (``speak``) against transformers' ``generate`` on the same weights:
+    ``texts`` different texts of ``frames`` frames each."""
+    ours = side.ours
+    equal = total = 0
+    rows = []
+    for i, text in enumerate(TEXTS[:texts]):
+        mine = ours.speak(text, i % 2, max_duration=frames / ours.frame_rate, temperature=0).codes
+        ref = side.ref_codes(side.ref_inputs(text, i % 2), frames)
+        n = min(len(mine), len(ref))
+        same = int((mine[:n] == ref[:n]).sum())
+        equal, total = equal + same, total + ref.size
+        rows.append(
+            {"text": text, "codes_equal": same, "codes": int(ref.size), "frames": [len(mine), len(ref)]}
+        )
+    out = {"codes_equal": equal, "codes": total, "all_equal": equal == total, "texts": rows}
+    print(f"\n{ours.name}: greedy codes equal to transformers generate: {equal}/{total}")
+    return out
 
 
 def single(side: Side, frames: int, repeats: int, http: bool) -> dict[str, Any]:
@@ -331,6 +382,8 @@ def _cell(t0: float, runs: list[tuple[float, float, float, float]]) -> dict[str,
         "wall_s": round(wall, 4),
         "audio_s": round(audio, 4),
         "agg": round(audio / wall, 4),
+        "x_real_time_per_stream": round(audio / wall / len(runs), 4),
+        "real_time_factor": round(wall / (audio / len(runs)), 4) if audio else None,
         "ttfa_p50_s": round(float(np.percentile(ttfa, 50)), 4),
         "ttfa_p99_s": round(float(np.percentile(ttfa, 99)), 4),
         "ttfa_own_p50_s": round(float(np.percentile(own, 50)), 4),
@@ -476,7 +529,9 @@ def transformers_serial(side: Side, texts: list[str], frames: int) -> dict[str, 
     return _cell(t0, runs)
 
 
-def concurrency(side: Side, frames: int, levels: list[int], cell_repeats: int = 5) -> dict[str, Any]:
+def concurrency(
+    side: Side, frames: int, levels: list[int], cell_repeats: int = 5, diagnostics: bool = True
+) -> dict[str, Any]:
     """The concurrency table of one model (see the module doc). The ``batched`` cell runs
     ``cell_repeats`` times (well under a second each) and keeps the run of median TTFA p99:
     one run's millisecond TTFAs swing by a third on a shared 2-core machine. Every run's p99
@@ -492,7 +547,7 @@ def concurrency(side: Side, frames: int, levels: list[int], cell_repeats: int = 
     head = f"{'C':>3s} {'side':18s} {'wall s':>8s} {'agg audio s/s':>14s} {'TTFA p50':>9s} {'TTFA p99':>9s}"
     print(head + f" {'batched x':>10s} {'TTFA p99 /batched':>18s}")
     for c in levels:
-        texts = [TEXTS[i % len(TEXTS)] for i in range(c)]
+        texts = [TEXTS[i % len(TEXTS)] for i in range(c)]  # past 16 they repeat
         runs = [ours_batched(side, texts, seconds, timers) for _ in range(max(1, cell_repeats))]
         batched = sorted(runs, key=lambda r: r["ttfa_p99_s"])[len(runs) // 2]
         batched["ttfa_p99_runs_s"] = [r["ttfa_p99_s"] for r in runs]
@@ -501,22 +556,21 @@ def concurrency(side: Side, frames: int, levels: list[int], cell_repeats: int = 
             "batched": batched,
             "serial": ours_serial(side, texts, seconds, timers),
             "transformers": transformers_serial(side, texts, frames),
-            # diagnostics: where the streamed batched path loses (see the module doc)
-            "batched_whole": ours_batched_whole(side, texts, seconds, timers),
-            "batched_pipelined": ours_batched_pipelined(side, texts, seconds, timers),
         }
+        if diagnostics:  # where the streamed batched path loses (see the module doc)
+            cells["batched_whole"] = ours_batched_whole(side, texts, seconds, timers)
+            cells["batched_pipelined"] = ours_batched_pipelined(side, texts, seconds, timers)
         b = cells["batched"]
-        same = all(
-            cells[k]["audio_s_per_request"] == b["audio_s_per_request"]
-            for k in ("serial", "batched_whole", "batched_pipelined", "transformers")
-        )
+        same = all(cells[k]["audio_s_per_request"] == b["audio_s_per_request"] for k in cells)
         ratios = {
             "batched_over_serial": round(b["agg"] / cells["serial"]["agg"], 3),
             "batched_over_transformers": round(b["agg"] / cells["transformers"]["agg"], 3),
-            "batched_whole_over_serial": round(cells["batched_whole"]["agg"] / cells["serial"]["agg"], 3),
-            "batched_pipelined_over_serial": round(
-                cells["batched_pipelined"]["agg"] / cells["serial"]["agg"], 3
-            ),
+            "serial_over_transformers": round(cells["serial"]["agg"] / cells["transformers"]["agg"], 3),
+            **{
+                f"{k}_over_serial": round(cells[k]["agg"] / cells["serial"]["agg"], 3)
+                for k in ("batched_whole", "batched_pipelined")
+                if k in cells
+            },
             "ttfa_p99_serial_over_batched": round(cells["serial"]["ttfa_p99_s"] / b["ttfa_p99_s"], 3),
             "ttfa_p99_transformers_over_batched": round(
                 cells["transformers"]["ttfa_p99_s"] / b["ttfa_p99_s"], 3
@@ -538,7 +592,13 @@ def concurrency(side: Side, frames: int, levels: list[int], cell_repeats: int = 
                 f"{k} {cells[k]['agg'] / cells['serial']['agg']:.2f}x" for k in cells if k != "serial"
             )
         )
+        print(
+            "    real-time factor (wall s per audio s of one voice): "
+            + ", ".join(f"{k} {cells[k]['real_time_factor']:.2f}" for k in cells)
+        )
         for k in ("batched", "serial", "batched_whole", "batched_pipelined"):
+            if k not in cells:
+                continue
             p = cells[k]["profile"]
             print(
                 f"    {k}: {p['passes']} passes ({p['frames_per_head_call']} frames each): backbone "
@@ -574,9 +634,24 @@ def _levels(text: str) -> list[int]:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--concurrency takes integers like 1,4,8,16: {e}") from e
-    if not levels or min(levels) < 1 or max(levels) > len(TEXTS):
-        raise argparse.ArgumentTypeError(f"--concurrency levels must be 1..{len(TEXTS)}")
+    if not levels or min(levels) < 1 or max(levels) > MAX_CONCURRENCY:
+        raise argparse.ArgumentTypeError(f"--concurrency levels must be 1..{MAX_CONCURRENCY}")
     return levels
+
+
+MAX_CONCURRENCY = 64
+"""Past ``len(TEXTS)`` the texts repeat (with alternating speakers)."""
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -602,6 +677,22 @@ def main() -> None:
         default=0,
         help="SpeechModel.load(cuda_graphs=N): depth steps from CUDA graphs",
     )
+    parser.add_argument(
+        "--shape",
+        choices=("tiny", "csm-1b"),
+        default="tiny",
+        help="tiny: the fixture CSM (and --wide); csm-1b: a random checkpoint of sesame/csm-1b's shape",
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument(
+        "--quantization", choices=("int8", "int4"), default=None, help="SpeechModel.load(quantization=)"
+    )
+    parser.add_argument(
+        "--parity-texts", type=int, default=None, help="texts of the greedy-codes check (csm-1b: 2; tiny: 0)"
+    )
+    parser.add_argument(
+        "--no-diagnostics", action="store_true", help="skip the batched_whole / batched_pipelined rows"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -611,7 +702,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "bench": "speech",
         "machine": {
-            "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.machine(),
+            "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else _cpu_name(),
             "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),
             "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
@@ -622,18 +713,36 @@ def main() -> None:
         "models": {},
     }
     t_start = time.perf_counter()
-    checkpoints = [("fixture", ensure_tiny_model("tiny-csm"))]
+    dtype = getattr(torch, args.dtype)
+    big = args.shape == "csm-1b"
+    parity_texts = args.parity_texts if args.parity_texts is not None else (2 if big else 0)
+    if big:
+        from fixtures.csm_1b_shape import ensure_csm_1b_shape
+
+        checkpoints = [("csm-1b", ensure_csm_1b_shape())]
+    else:
+        checkpoints = [("fixture", ensure_tiny_model("tiny-csm"))]
     tmp = None
-    if args.wide:
+    if args.wide and not big:
         tmp = Path(tempfile.mkdtemp(prefix="csm-wide-"))
         checkpoints.append(("wide", build_wide(tmp / "tiny-csm-wide")))
     try:
         for label, checkpoint in checkpoints:
-            side = Side(checkpoint, device, args.cuda_graphs)
+            side = Side(checkpoint, device, args.cuda_graphs, dtype=dtype, quantization=args.quantization)
             entry: dict[str, Any] = {"model": side.ours.name}
+            if parity_texts:
+                entry["parity"] = parity(side, args.frames, parity_texts)
             if not args.no_single:
                 entry["single"] = single(side, args.frames, args.repeats, http=not args.no_http)
-            entry.update(concurrency(side, args.frames, args.concurrency, args.cell_repeats))
+            entry.update(
+                concurrency(
+                    side,
+                    args.frames,
+                    args.concurrency,
+                    args.cell_repeats,
+                    diagnostics=not args.no_diagnostics,
+                )
+            )
             results["models"][label] = entry
             del side
     finally:

@@ -193,5 +193,11 @@ if wants speech; then
     --frames 25 --no-http --wide --out "$OUT_DIR/speech_gpu.json"
   run_step "speech concurrency 1,8 (CUDA, depth CUDA graphs)" timeout "$SPEECH_S" "$PY" bench/speech.py \
     --concurrency 1,8 --frames 25 --no-http --no-single --wide --cuda-graphs 16 --out "$OUT_DIR/speech_gpu_graphs.json"
+  # CSM-1B's shape (issue 32; a random checkpoint of sesame/csm-1b's shape, ~6.5 GB, built on
+  # the machine on first use): 1, 8 and 32 voices in bfloat16, depth steps from CUDA graphs,
+  # greedy codes checked against transformers on the same weights.
+  run_step "speech CSM-1B shape 1,8,32 (CUDA, bf16, depth CUDA graphs)" timeout "${GPU_SPEECH_1B_S:-420}" \
+    "$PY" bench/speech.py --shape csm-1b --dtype bfloat16 --concurrency 1,8,32 --frames 25 --no-http \
+    --no-single --no-diagnostics --cell-repeats 1 --cuda-graphs 32 --out "$OUT_DIR/speech_gpu_csm1b.json"
 fi
 finish done
