@@ -104,6 +104,15 @@ def _render_messages(messages: list[Any]) -> str:
     )
 
 
+def _key_mark(scope: dict) -> str:
+    """A short digest of the request's bearer key (never the key): the prefix trees keep each
+    key's prefixes apart, as the engines' caches keep each tenant's pages apart."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            return hashlib.sha256(value).hexdigest()[:12] + "\0"
+    return ""
+
+
 def routing_text(path: str, body: bytes, limit: int = ROUTING_CHARS) -> str | None:
     """What a request's KV pages start with, as text the prefix router matches: the model,
     then the messages in order (role and content, media parts as digests), at most
@@ -330,6 +339,8 @@ class Gateway:
         body = b"".join(chunks)
         plain = {k: _plain(scope[k]) for k in _SCOPE_KEYS if k in scope}
         prefix = routing_text(scope["path"], body)
+        if prefix is not None:  # prefix pages are shared only within a key's tenant: one tree each
+            prefix = _key_mark(scope) + prefix
         for attempt in range(RETRIES + 1):
             started, sse = False, False
             try:

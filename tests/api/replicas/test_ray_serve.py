@@ -33,9 +33,12 @@ def _free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, url: str):
+    def __init__(self, url: str, key: str = ""):
         self.url = url
-        self.http = httpx.Client(base_url=url, timeout=60)
+        self.http = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {key}"})
+
+    def as_key(self, key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {key}"})
 
     def engine_pids(self) -> dict[str, int]:
         """Live engine replicas: unique id -> process id."""
@@ -61,11 +64,23 @@ class Cluster:
         raise AssertionError(f"{n} replicas not up in {timeout} s: {self.engine_pids()}")
 
 
+ADMIN, ALICE, BOB = "sk-replica-admin", "sk-replica-alice", "sk-replica-bob"
+
+
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory, postgres) -> ServeSettings:
+    state = tmp_path_factory.mktemp("shared-state")
+    keys = state.parent / "replica-keys.toml"
+    keys.write_text(
+        "".join(
+            f'[[keys]]\nname = "{n}"\nkey = "{k}"\nrole = "{r}"\n\n'
+            for n, k, r in (("ops", ADMIN, "admin"), ("alice", ALICE, "user"), ("bob", BOB, "user"))
+        )
+    )
     return ServeSettings(
         models=["tiny"],
-        state_dir=tmp_path_factory.mktemp("shared-state"),
+        api_key_file=keys,
+        state_dir=state,
         state_db=postgres.fresh_schema_url(),
         job_lease_s=2.0,
         job_poll_s=0.3,
@@ -86,7 +101,7 @@ def cluster(settings: ServeSettings) -> Iterator[Cluster]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(settings, replicas=2), name="pie-media", route_prefix="/")
-        c = Cluster(f"http://127.0.0.1:{port}")
+        c = Cluster(f"http://127.0.0.1:{port}", ADMIN)  # the admin sees every tenant's objects
         c.wait_replicas(2)
         yield c
     finally:
@@ -147,6 +162,35 @@ def test_upload_via_one_replica_chat_via_the_other(
         cluster.http.post("/v1/chat/completions", json=body).headers["x-pie-media-replica"] for _ in range(4)
     }
     assert len(firsts) == 1
+
+
+def test_each_keys_objects_stay_its_own_on_every_replica(cluster: Cluster, samples: Path) -> None:
+    """Issue 35 across replicas: ownership lives in the shared index, so every replica gives
+    another tenant the same 404; a second key's chat with the same system prompt is routed
+    apart and computes its own prefix (cached_tokens 0)."""
+    alice, bob = cluster.as_key(ALICE), cluster.as_key(BOB)
+    data = (samples / "images" / "cmyk.jpg").read_bytes()
+    media_id = alice.post("/v1/media", files={"file": ("c.jpg", data)}).json()["data"][0]["media"]["id"]
+    replicas: set[str] = set()
+    for _ in range(6):  # plain GETs spread over both replicas
+        theirs, mine = bob.get(f"/v1/media/{media_id}"), alice.get(f"/v1/media/{media_id}")
+        assert (theirs.status_code, mine.status_code) == (404, 200)
+        replicas |= {theirs.headers.get("x-pie-media-replica"), mine.headers.get("x-pie-media-replica")}
+    stored = alice.post("/v1/responses", json={"model": QWEN, "input": "Hi", "max_output_tokens": 2}).json()
+    assert bob.get(f"/v1/responses/{stored['id']}").status_code == 404
+    assert alice.get(f"/v1/responses/{stored['id']}").status_code == 200
+    system = "Secret onboarding memo 4411. " + "Reply with one word. " * 30
+    body = _chat("First?", system=system, max_tokens=1)
+    assert (
+        alice.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+        == 0
+    )
+    again = alice.post("/v1/chat/completions", json=_chat("Second?", system=system, max_tokens=1)).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    other = bob.post("/v1/chat/completions", json=_chat("Third?", system=system, max_tokens=1)).json()
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_chats_sharing_only_a_long_system_prompt_reuse_one_replicas_cache(cluster: Cluster) -> None:
