@@ -364,17 +364,91 @@ def sample_or_mark(
                 )
             )
         else:
-            kept, ids = _filter(sub, chosen)
-            drawn = _draw(kept.softmax(dim=-1), u)
-            if ids is not None:
-                drawn = torch.where(
-                    drawn >= 0, ids.gather(1, drawn.clamp(min=0).unsqueeze(1)).squeeze(1), drawn
-                )
-            out[idx] = drawn
+            out[idx] = _sample_torch(sub, chosen, u)
     for i, s in enumerate(rows):
         if s.is_custom:
             out[i] = _run_custom(scores[i], s)
     return out
+
+
+WINDOW = 1024
+"""Candidates a filtered row takes first on the torch path (``torch.topk``), before the
+whole vocabulary."""
+
+
+def _sample_torch(scores: torch.Tensor, samplers: list[Sampler], u: torch.Tensor) -> torch.Tensor:
+    """Temperature/top-k/top-p/min-p rows on torch (any device): rows with a filter whose
+    kept set lies inside their top ``WINDOW`` candidates (checked, ties at the window's edge
+    included) are drawn from those; the rest, and unfiltered rows, from the whole row (the
+    reference path, which sorts for top-p). Same inverse-CDF draw in vocabulary order."""
+    n, vocab = scores.shape
+    dev = scores.device
+    drawn = torch.full((n,), -1, dtype=torch.long, device=dev)
+    filtered = [i for i, s in enumerate(samplers) if s.topk is not None or s.topp < 1 or s.minp > 0]
+    rest = [i for i in range(n) if i not in set(filtered)]
+    if filtered:
+        rows = torch.tensor(filtered, device=dev)
+        chosen = [samplers[i] for i in filtered]
+        window = min(vocab, max(WINDOW, max(min(s.topk or 0, vocab) for s in chosen) + 1))
+        if window < vocab:
+            got, ok = _window_draw(scores[rows], chosen, u[rows.cpu()], window)
+            drawn[rows] = got
+            rest += [filtered[i] for i in torch.nonzero(~ok).flatten().tolist()]
+        else:
+            rest += filtered
+    if rest:
+        rest.sort()
+        rows = torch.tensor(rest, device=dev)
+        kept, ids = _filter(scores[rows], [samplers[i] for i in rest])
+        full = _draw(kept.softmax(dim=-1), u[rows.cpu()])
+        if ids is not None:
+            full = torch.where(full >= 0, ids.gather(1, full.clamp(min=0).unsqueeze(1)).squeeze(1), full)
+        drawn[rows] = full
+    return drawn
+
+
+def _window_draw(
+    scores: torch.Tensor, samplers: list[Sampler], u: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, ok): draws from each row's top ``window`` candidates, ok where the row's
+    kept set is provably inside them (else its token is meaningless)."""
+    dev, vocab = scores.device, scores.shape[1]
+    temps = torch.tensor([float(s.temperature) for s in samplers], device=dev).unsqueeze(1)
+    t = scores / temps
+    vals, ids = t.topk(window + 1, dim=-1)  # descending
+    nxt, vals, ids = vals[:, window], vals[:, :window], ids[:, :window]
+    has_k = torch.tensor([s.topk is not None and s.topk < vocab for s in samplers], device=dev)
+    k = torch.tensor([min(s.topk or 1, vocab) for s in samplers], device=dev).unsqueeze(1)
+    kth = vals.gather(1, k - 1).squeeze(1)
+    keep = torch.where(has_k.unsqueeze(1), vals >= kth.unsqueeze(1), torch.ones_like(vals, dtype=torch.bool))
+    # The normaliser of what top-k keeps: the window's kept values, or the whole row.
+    z = torch.where(
+        has_k,
+        torch.logsumexp(vals.masked_fill(~keep, float("-inf")), dim=-1),
+        torch.logsumexp(t, dim=-1),
+    )
+    q = torch.exp(vals.double() - z.double().unsqueeze(1)) * keep
+    p = torch.tensor([float(s.topp) for s in samplers], device=dev, dtype=torch.float64).unsqueeze(1)
+    cum = q.cumsum(dim=-1)
+    keep_p = (cum - q) < p
+    m = torch.tensor([float(s.minp) for s in samplers], device=dev, dtype=torch.float64)
+    keep_m = q >= (m * q[:, 0]).unsqueeze(1)
+    kept = keep & keep_p & keep_m
+    last = torch.where(kept, vals, torch.full_like(vals, float("inf"))).amin(dim=-1)  # smallest kept value
+    # Outside the window every value is <= nxt: it is dropped when a filter drops nxt.
+    topk_whole = ~has_k | (nxt < kth)
+    closed_p = (p.squeeze(1) < 1) & (cum[:, -1] >= p.squeeze(1)) & (last > nxt)
+    closed_m = (m > 0) & (torch.exp(nxt.double() - z.double()) < m * q[:, 0]) & (last > nxt)
+    ok = topk_whole & (has_k | closed_p | closed_m)
+    # The draw, in vocabulary order over the kept candidates.
+    order = ids.argsort(dim=-1)
+    ids_v = ids.gather(1, order)
+    probs_v = (q * kept).gather(1, order)
+    cdf = probs_v.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u.to(dev).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    at = torch.searchsorted(cdf, x, right=True).clamp(max=window - 1)
+    return ids_v.gather(1, at).squeeze(1), ok
 
 
 def _run_custom(row: torch.Tensor, s: Sampler) -> int:
