@@ -138,8 +138,9 @@ class ForwardRunner:
         ps = self.pool.page_size
         ids: list[int] = []
         positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        tables: list[torch.Tensor] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        pages_flat: list[int] = []
         blocks: list[torch.Tensor] = []
         media_rows: list[torch.Tensor] = []
         media: list[MediaRows] = []
@@ -161,10 +162,16 @@ class ForwardRunner:
                 )
             ids.extend(step.tokens)
             positions.append(step.positions)
-            table = torch.tensor(step.pages[:need_pages], dtype=torch.long)
+            table = step.pages[:need_pages]
             tables.append(table)
-            rows = torch.arange(step.kv_start, step.kv_start + n)
-            slots.append(table[rows // ps] * ps + rows % ps)
+            pages_flat.extend(table)
+            # Each row's K/V slot; in Python for a decode step's row or few (a tensor op
+            # per step costs more than the arithmetic, hundreds of steps per pass).
+            if n <= 16:
+                slots.extend(table[r // ps] * ps + r % ps for r in range(step.kv_start, step.kv_start + n))
+            else:
+                rows = torch.arange(step.kv_start, step.kv_start + n)
+                slots.extend((torch.tensor(table)[rows // ps] * ps + rows % ps).tolist())
             if step.block_ids is not None:
                 blocks.append(step.block_ids.to(torch.long))
             for m in step.media:
@@ -188,9 +195,9 @@ class ForwardRunner:
             [
                 torch.tensor(ids, dtype=torch.long),
                 positions_cpu.reshape(-1),
-                torch.cat(slots),
+                torch.tensor(slots, dtype=torch.long),
                 torch.cat(media_rows) if media_rows else torch.empty(0, dtype=torch.long),
-                torch.cat(tables),
+                torch.tensor(pages_flat, dtype=torch.long),
                 torch.cat(blocks) if blocks else torch.empty(0, dtype=torch.long),
             ],
             dev,
@@ -199,7 +206,7 @@ class ForwardRunner:
         at_q = at_page = at_block = 0
         for step, table in zip(steps, tables, strict=True):
             n = len(step.tokens)
-            used = list(step.pages[: table.shape[0]])
+            used = table
             consecutive = bool(used) and used == list(range(used[0], used[0] + len(used)))
             block_ids = None
             if step.block_ids is not None:
@@ -210,13 +217,13 @@ class ForwardRunner:
                     q_start=at_q,
                     q_len=n,
                     kv_start=step.kv_start,
-                    pages=pages_d[at_page : at_page + table.shape[0]],
+                    pages=pages_d[at_page : at_page + len(table)],
                     block_ids=block_ids,
                     first_page=used[0] if consecutive else None,
                 )
             )
             at_q += n
-            at_page += table.shape[0]
+            at_page += len(table)
 
         media_embeds, media_deepstack = self._encode(media)
         media_embeds.extend(direct_embeds)
@@ -250,15 +257,17 @@ class ForwardRunner:
         ]
         with torch.inference_mode(), pass_adapters(lora_table):
             hidden = self.arch.hidden_states(inp, pie_batch=meta)
-            want_rows: list[torch.Tensor] = []
+            want_rows: list[int] = []
             for step, seq in zip(steps, seqs, strict=True):
                 if step.logits in ("last", "last+hidden"):
-                    want_rows.append(torch.tensor([seq.q_start + seq.q_len - 1]))
+                    want_rows.append(seq.q_start + seq.q_len - 1)
                 elif step.logits == "all":
-                    want_rows.append(torch.arange(seq.q_start, seq.q_start + seq.q_len))
+                    want_rows.extend(range(seq.q_start, seq.q_start + seq.q_len))
             logits = None
-            if want_rows:
-                logits = self.arch.logits(hidden[torch.cat(want_rows).to(dev)]).float()
+            if len(want_rows) == start:  # every row (a decode pass): no gather
+                logits = self.arch.logits(hidden).float()
+            elif want_rows:
+                logits = self.arch.logits(hidden[torch.tensor(want_rows, device=dev)]).float()
             head_steps = [
                 seq.q_start + seq.q_len - 1
                 for step, seq in zip(steps, seqs, strict=True)
