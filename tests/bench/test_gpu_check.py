@@ -44,6 +44,47 @@ def test_dry_run_stops_where_a_gpu_is_needed(tmp_path):
     assert any("linear" in op["op"] or "mm" in op["op"] for op in prof["top_host_ops"])
     steps = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert steps["outcome"] == "dry-run" and all(s["status"] == "ok" for s in steps["steps"])
+    # the closing table of issue 33's aims, judged from what the smoke run measured
+    aims = json.loads((tmp_path / "out" / "gpu_aims.json").read_text())
+    assert any(a["aim"].startswith("decode at concurrency 1") and a["figure"] > 0 for a in aims)
+    assert "captions at 32 >= 150 images/s" in done.stdout
+
+
+def test_a_machine_without_the_qwen_vocabulary_is_refused_before_anything_runs(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "flashinfer_python-0.0.0-py3-none-any.whl", "w") as z:
+        z.writestr("flashinfer/__init__.py", "")
+    env = {**os.environ, "GPU_WHEELS": str(wheels), "PIE_MEDIA_CACHE": str(tmp_path / "empty-cache")}
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "converted Qwen vocabulary" in done.stderr and "fetch_wheels.sh" in done.stderr
+    assert "install carried wheels" not in done.stdout  # refused before installing anything
+    (wheels / "qwen-bpe").mkdir()
+    (wheels / "qwen-bpe" / "tokenizer.json").write_text("{}")
+    staged = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'source <(sed -n "/^stage_vocabulary()/,/^}}/p" {SCRIPT}); WHEELS={wheels} DRY=0 stage_vocabulary',
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        staged.returncode == 0
+        and (tmp_path / "empty-cache" / "models" / "qwen-bpe" / "tokenizer.json").exists()
+    )
 
 
 def test_dry_run_refuses_a_missing_wheels_folder(tmp_path):
