@@ -76,6 +76,8 @@ from engine import (
     run_sync,
     select_backend,
 )
+from engine.load_quantization import check_quantization, quantize_at_load
+from engine.quantization import quantize_modules
 from media import InvalidRequestError, check_int, check_number
 from speech.admission import DEFAULT_WAIT_S, SpeechCapacity, SpeechTicket
 from speech.backbone import CSM_ARCHITECTURE, CsmBackbone
@@ -182,6 +184,8 @@ class SpeechModel:
             max_streams=check_int("max_streams", max_streams, min=1),
         )
         self.stats = SpeechStats()
+        self.quantization: str | None = None
+        """The weight quantization ``load`` applied ("int8" / "int4"), None: ``dtype`` weights."""
         self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-mimi")
         """Mimi decodes of the async paths, one at a time beside the forward worker."""
         stream_decoder = stream_decoder_for(hf.codec_model)
@@ -203,6 +207,7 @@ class SpeechModel:
         max_streams: int = DEFAULT_MAX_STREAMS,
         attention: str = "auto",
         cuda_graphs: int = 0,
+        quantization: str | None = None,
         **_ignored: Any,
     ) -> SpeechModel:
         """Load the CSM checkpoint directory ``path`` (typed ``ModelLoadError``s from the engine's
@@ -211,7 +216,11 @@ class SpeechModel:
         pool (default 256 MiB on the CPU, a quarter of the free GPU memory on CUDA). max_streams:
         requests generating at once. attention: as ``engine.Model.load``. cuda_graphs: replay the
         depth decoder's steps for passes of up to this many streams from CUDA graphs
-        (``speech.depth_graphs``; 0, the default: off; CUDA only). Other keywords of
+        (``speech.depth_graphs``; 0, the default: off; CUDA only). quantization: "int8" /
+        "int4" weight-only layers of ``engine.quantization`` for the backbone, its codebook-0
+        head and the depth decoder's layers (embeddings, the depth decoder's per-codebook
+        heads and Mimi stay in ``dtype``); ``QuantizationUnavailableError`` for a method the
+        device cannot run, before any weight loads. Other keywords of
         ``Model.load`` (a served model's load options) are accepted and ignored."""
         import transformers
 
@@ -232,9 +241,13 @@ class SpeechModel:
         if cuda_graphs and dev.type != "cuda":
             raise InvalidRequestError(f"cuda_graphs needs a CUDA device; this model is on {dev}")
         backend = select_backend(attention, device=dev, dtype=dtype)
+        if quantization is not None:
+            check_quantization(quantization, config, dev)
         hf = load_pretrained(path, CSM_ARCHITECTURE, dtype=dtype)
         processor = load_part(path, "CSM processor", transformers.AutoProcessor.from_pretrained)
         hf = place_model(hf, dev)
+        if quantization is not None:
+            _quantize(hf, path, config, quantization, dev, dtype)
         # The backbone attends over the engine's pages; the depth decoder and Mimi keep theirs.
         _page_backbone_attention(hf)
         layouts = CsmBackbone(hf).layer_layouts()
@@ -252,6 +265,7 @@ class SpeechModel:
             attention=backend,
             max_streams=max_streams,
         )
+        model.quantization = quantization
         if cuda_graphs:
             from speech.depth_graphs import DepthGraphs
 
@@ -284,7 +298,8 @@ class SpeechModel:
     def __repr__(self) -> str:
         return (
             f"SpeechModel({CSM_ARCHITECTURE}, {self.path}, device={self.device}, {self.sample_rate} Hz, "
-            f"{self.capacity})"
+            + (f"quantization={self.quantization}, " if self.quantization else "")
+            + f"{self.capacity})"
         )
 
     # -- request checks ---------------------------------------------------------------------
@@ -672,6 +687,18 @@ def _page_backbone_attention(hf: Any) -> None:
     for config, impl in before.values():
         if config is not hf.config and config._attn_implementation != impl:
             config._attn_implementation = impl
+
+
+def _quantize(
+    hf: Any, path: Path, config: dict[str, Any], method: str, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Weight-only ``method`` layers for the depth decoder's layers (and its input projection),
+    then, as ``engine.Model.load`` does for a language model, the backbone and its codebook-0
+    head (that step also copies the float weights that stay out of the checkpoint's memory map
+    on the CPU, and checks the CUDA kernels). A frame reads the depth decoder's layers once per
+    codebook step, so they are most of its bytes (CSM-1B: 31 x 0.44 GB of 18 GB in float32)."""
+    quantize_modules(hf.depth_decoder.model, method, prefix="depth_decoder.model")
+    quantize_at_load(hf, hf.backbone_model, path, config, method, device=device, dtype=dtype)
 
 
 def _default_kv_bytes(device: torch.device) -> int:
