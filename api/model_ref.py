@@ -63,9 +63,10 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
     ``speech.SpeechModel``, anything else ``engine.Model.load(dir, **kwargs)``.
 
     ``kwargs`` are ``Model.load``'s options plus ``max_speech_streams``. A speech model takes
-    ``device``, ``dtype``, ``attention``, ``kv_pages``, ``cuda_graphs`` and ``max_speech_streams`` and ignores
-    the rest (prefill, quantization and graph options of the text engine), so one set of
-    options can load any model; a name ``Model.load`` does not know is a ``TypeError``."""
+    ``device``, ``dtype``, ``attention``, ``kv_pages``, ``cuda_graphs``, ``quantization`` (int8 /
+    int4 weights, ``SpeechModel.load``) and ``max_speech_streams`` and ignores the rest (prefill
+    and graph options of the text engine), so one set of options can load any model; a name
+    ``Model.load`` does not know is a ``TypeError``."""
     import inspect
 
     from engine import Model, architecture_name, read_config
@@ -83,7 +84,9 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
     if unknown:
         raise TypeError(f"load_model() got unexpected keyword argument(s): {', '.join(unknown)}")
     speech_options = {
-        k: v for k, v in kwargs.items() if k in ("device", "dtype", "attention", "kv_pages", "cuda_graphs")
+        k: v
+        for k, v in kwargs.items()
+        if k in ("device", "dtype", "attention", "kv_pages", "cuda_graphs", "quantization")
     }
     if max_speech_streams is not None:
         speech_options["max_streams"] = max_speech_streams
