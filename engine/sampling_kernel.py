@@ -13,10 +13,11 @@ This kernel reads each row a few times, in order, and sorts only a few dozen tok
    from a table and a degree-4 polynomial for ``r < 1/64`` (truncation < 1e-10, then a
    few float32 roundings, as torch's own exp; the few tokens with ``d`` past 64 get a
    true exp);
-3. a histogram of the bins' masses and counts, and per bin a list of its tokens;
+3. a histogram of the bins' masses (and counts, for top-k);
 4. each filter is a cut in the tokens' order (value descending, then id descending):
    top-k walks the bins' counts, top-p their masses (over what top-k keeps), min-p the
-   bins around ``-log(min_p)``; only the tokens of the bin where a cut falls are sorted,
+   bins around ``-log(min_p)``; only the tokens of the bin where a cut falls are
+   gathered (one scan of the bin indices) and sorted,
    and the strictest cut wins (every filter keeps an upper set of that order);
 5. the draw: the first token, in vocabulary order, whose kept cumulative mass exceeds
    ``u`` times the kept mass (block sums first, then one block token by token): the same
