@@ -384,8 +384,9 @@ def _sample_torch(scores: torch.Tensor, samplers: list[Sampler], u: torch.Tensor
     n, vocab = scores.shape
     dev = scores.device
     drawn = torch.full((n,), -1, dtype=torch.long, device=dev)
-    filtered = [i for i, s in enumerate(samplers) if s.topk is not None or s.topp < 1 or s.minp > 0]
-    rest = [i for i in range(n) if i not in set(filtered)]
+    is_filtered = [s.topk is not None or s.topp < 1 or s.minp > 0 for s in samplers]
+    filtered = [i for i in range(n) if is_filtered[i]]
+    rest = [i for i in range(n) if not is_filtered[i]]
     if filtered:
         rows = torch.tensor(filtered, device=dev)
         chosen = [samplers[i] for i in filtered]
