@@ -272,6 +272,7 @@ def test_uploads_survive_a_restart(tmp_path: Path, samples: Path) -> None:
                     }
                 ],
             },
+            timeout=60,  # the first request of a fresh server (httpx's default of 5 s is too tight under load)
         )
         assert r.status_code == 200, r.text
     finally:
