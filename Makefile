@@ -9,6 +9,11 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 # Without CUDA, pin the CPU build of torch (a bare `torch` pulls a multi-GB CUDA build).
 TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6,<3" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist; whole files per worker, in collection order, so a file's
+# module fixtures start once and the in-process Ray / wasmtime ordering in tests/conftest.py
+# holds per worker). The suite is mostly one busy Python thread at a time: two workers use
+# both cores of a 2-core CI runner. PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup run test lint bench clean gpu-check
 
@@ -33,7 +38,7 @@ run: setup
 	$(BIN)/pie-media caption --max-tokens 12 $$S/images/photo_640x480.jpg $$S/images/rgba.png $$S/images/cmyk.jpg; true
 
 test: setup
-	@$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	@$(BIN)/ruff check .

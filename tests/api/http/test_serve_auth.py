@@ -45,7 +45,7 @@ def test_plain_keys_each_keep_their_uploads(keyed, samples: Path) -> None:
     """Two plain keys are two tenants: one's upload is a 404 to the other."""
     data = (samples / "images" / "rgba.png").read_bytes()
     first = {"Authorization": "Bearer sk-first"}
-    r = httpx.post(f"{keyed.v1}/media", files={"file": ("a.png", data)}, headers=first)
+    r = httpx.post(f"{keyed.v1}/media", files={"file": ("a.png", data)}, headers=first, timeout=60)
     media_id = r.json()["data"][0]["media"]["id"]
     assert httpx.get(f"{keyed.v1}/media/{media_id}", headers=first).status_code == 200
     assert (

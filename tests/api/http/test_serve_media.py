@@ -248,14 +248,14 @@ def test_uploads_survive_a_restart(tmp_path: Path, samples: Path) -> None:
     data = (samples / "images" / "gray.png").read_bytes()
     first = start_server(tmp_path, models=("tiny",))
     try:
-        item = httpx.post(f"{first.v1}/media", files=[("file", ("g.png", data, "image/png"))]).json()["data"][
-            0
-        ]
+        item = httpx.post(
+            f"{first.v1}/media", files=[("file", ("g.png", data, "image/png"))], timeout=60
+        ).json()["data"][0]
     finally:
         stop_server(first)
     second = start_server(tmp_path, models=("tiny",))  # same --media-dir
     try:
-        again = httpx.get(f"{second.v1}/media/{item['media']['id']}")
+        again = httpx.get(f"{second.v1}/media/{item['media']['id']}", timeout=60)
         assert again.status_code == 200 and again.json() == item["media"]
         r = httpx.post(
             f"{second.v1}/chat/completions",
