@@ -30,12 +30,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from api.batch.captioner import Outcome, caption_prompts, structured
+from api.batch.captioner import Outcome, caption_prompts
+from api.batch.item_records import item_records
 from api.batch.ledger import record_id
-from api.batch.pipeline import Pipeline
+from api.batch.pipeline import Pipeline, default_workers
 from api.batch.preparation import Preparer
 from api.batch.progress import EngineClock, JobSummary, Progress
-from api.batch.records import error_dict, make_record
 from api.batch.samples import ShardEnd, WorkItem
 from api.batch.sinks import Sink, format_for, open_sink
 from api.batch.sources import Shard, UrlOptions, open_shards
@@ -85,7 +85,7 @@ async def caption_job_async(
     clock = EngineClock()
     bar = Progress(progress, total, summary, clock)
     bar.advance(summary.skipped) if summary.skipped and bar.bar is not None else None
-    prep = Preparer(model.prepare, getattr(model.encoder, "family", ""), spec) if workers == 0 else None
+    prep = Preparer.for_model_dir(str(model.path), spec) if workers == 0 else None
     pipeline = Pipeline(
         todo,
         sink.index,
@@ -127,48 +127,16 @@ async def caption_job_async(
         fut.set_result(got)
         return got, False
 
-    def record(item: WorkItem, prompt: str, seg: Any, seg_index: int | None, **what: Any) -> dict[str, Any]:
-        extra: dict[str, Any] = {"key": item.key, "shard": item.shard}
-        if seg_index is not None:
-            extra.update(segment=seg_index, start=seg.start, end=seg.end)
-        rec = make_record(
-            item.name, {**settings, "prompt": prompt}, content_hash=item.content_hash, extra=extra, **what
-        )
-        return rec
-
     async def handle(item: WorkItem) -> None:
         st = states[item.shard]
-        t0 = time.perf_counter()
         try:
             if item.skip:
                 summary.skipped += 1
                 summary.earlier_errors += item.skip_errors > 0
                 return
-            recs: list[dict[str, Any]] = []
-            ran = reused = False
-            if item.error is not None or not item.segments:
-                err = item.error or {"code": "no_segments", "message": "the video gave no segment to caption"}
-                recs = [record(item, p, None, None, error=err) for p in item.prompts]
-            else:
-                for i, seg in enumerate(item.segments):
-                    idx = i if segmented else None
-                    if seg.error is not None:
-                        recs += [record(item, p, seg, idx, error=seg.error) for p in item.prompts]
-                        continue
-                    outs, was_reused = await outcomes(item, i, seg.prepared)
-                    ran, reused = ran or not was_reused, reused or was_reused
-                    for o in outs:
-                        if o.error is not None:
-                            recs.append(record(item, o.prompt, seg, idx, error=error_dict(o.error)))
-                            continue
-                        summary.tokens += o.tokens if not was_reused else 0
-                        rec = record(
-                            item, o.prompt, seg, idx, caption=o.text, elapsed_s=time.perf_counter() - t0
-                        )
-                        parsed = structured(o.text, spec)
-                        if parsed is not None:
-                            rec["structured"] = parsed
-                        recs.append(rec)
+            made = await item_records(item, spec, settings, outcomes)
+            recs, ran, reused = made.records, made.ran, made.reused
+            summary.tokens += made.tokens
             have = sink.index.lookup(item.shard, item.key, item.content_hash)
             failed = False
             for rec in recs:
@@ -203,20 +171,32 @@ async def caption_job_async(
             bar.advance()
 
     t0 = time.perf_counter()
+    items = pipeline.items()
+    keep_budget = _stop_encoder_cache(model)
     try:
-        async for x in pipeline.items():
+        while True:
+            # A slot first, then the next item: a wait for input (``pipeline.waited_s``) is
+            # then always a wait with room in the engine, the time it was starved.
+            await sem.acquire()
+            try:
+                x = await anext(items)
+            except StopAsyncIteration:
+                sem.release()
+                break
             if isinstance(x, ShardEnd):
+                sem.release()
                 st = states[x.shard]
                 st.expected = x.samples
                 maybe_finish(st)
                 continue
-            await sem.acquire()
             task = asyncio.create_task(handle(x))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.gather(*list(tasks))
     finally:
+        await items.aclose()
+        _restore_encoder_cache(model, keep_budget)
         for t in list(tasks):
             t.cancel()
         clock.stop()
@@ -224,7 +204,26 @@ async def caption_job_async(
         bar.close()
     summary.elapsed_s = time.perf_counter() - t0
     summary.idle_s = clock.idle_s
+    summary.input_wait_s = pipeline.waited_s
     return summary
+
+
+def _stop_encoder_cache(model: Any) -> int | None:
+    """A job's samples are distinct (repeated content is reused by hash, several prompts
+    share one prefill), so their tower outputs are not kept in the model's encoder cache
+    while it runs: with the default 512 MiB budget the cache grew the process by ~380 MB
+    over the first 2,000 images (bench/dataset_captions.py) and kept nothing useful.
+    Returns the budget to restore (None: the model has no such cache)."""
+    cache = getattr(getattr(model, "encoder", None), "cache", None)
+    budget = getattr(cache, "byte_budget", None)
+    if budget is not None:
+        cache.byte_budget = 0
+    return budget
+
+
+def _restore_encoder_cache(model: Any, budget: int | None) -> None:
+    if budget is not None:
+        model.encoder.cache.byte_budget = budget
 
 
 def run_caption_job(
@@ -238,7 +237,7 @@ def run_caption_job(
     progress: bool = True,
     spec: CaptionSpec | None = None,
     out_format: str | None = None,
-    workers: int = 0,
+    workers: int | None = 0,
     column: str | None = None,
     urls: bool = False,
     url_options: UrlOptions | None = None,
@@ -248,9 +247,11 @@ def run_caption_job(
     """Blocking: caption every sample of ``paths`` into ``out`` (resumable; see the module
     docstring). ``model`` is a loaded ``engine.Model``; ``spec`` (default: ``prompt`` and
     ``max_tokens``) says what a caption is; ``workers`` prepares in that many processes
-    (0: a thread of this one)."""
+    (0: a thread of this one; None: ``pipeline.default_workers()``, by the cores)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if workers is None:
+        workers = default_workers()
     if workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     out = Path(out)

@@ -30,9 +30,13 @@ class Preparer:
 
     @classmethod
     def for_model_dir(cls, model_dir: str, spec: CaptionSpec) -> Preparer:
-        from encoders import encoder_for
+        """A weightless encoder of its own whose caches hold nothing: a batch job
+        prepares each sample once (repeated content is reused by the job, by hash), so
+        the encoder's content cache (1 GiB of prepared inputs by default) would only
+        grow the process by that much as distinct samples go by."""
+        from encoders import EncoderCache, encoder_for
 
-        enc = encoder_for(model_dir, load_weights=False)
+        enc = encoder_for(model_dir, load_weights=False, cache=EncoderCache(0, 0))
         return cls(enc.prepare, enc.family, spec)
 
     def __call__(self, sample: Sample, done: DoneLookup | None = None) -> WorkItem:

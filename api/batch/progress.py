@@ -29,6 +29,9 @@ class JobSummary:
     shards_skipped: int = 0
     idle_s: float = 0.0
     """Time (after the first sample arrived) with no caption in flight."""
+    input_wait_s: float = 0.0
+    """Time the engine had room for another sample but none was prepared yet (the job
+    waited on an empty input queue with a free slot): preparation falling behind."""
     files: list[str] = field(default_factory=list)
 
     @property
