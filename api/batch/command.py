@@ -77,7 +77,10 @@ def add_caption_arguments(cap: argparse.ArgumentParser) -> None:
         "--concurrency", type=int, default=8, help="samples in flight at once with --out (default 8)"
     )
     cap.add_argument(
-        "--workers", type=int, default=1, help="preparation worker processes with --out (0: a thread)"
+        "--workers",
+        type=int,
+        default=None,
+        help="preparation worker processes with --out (0: a thread; default: cores - 2, at most 4)",
     )
     cap.add_argument("--no-progress", action="store_true", help="no progress bar with --out")
     cap.add_argument(
@@ -126,7 +129,7 @@ def spec_from_args(args: argparse.Namespace) -> CaptionSpec:
 def run_caption_command(args: argparse.Namespace) -> int:
     from api.batch.sources import UrlOptions
 
-    if args.concurrency < 1 or args.workers < 0:
+    if args.concurrency < 1 or (args.workers is not None and args.workers < 0):
         print("pie-media: --concurrency must be >= 1 and --workers >= 0", file=sys.stderr)
         return 2
     try:
@@ -136,7 +139,7 @@ def run_caption_command(args: argparse.Namespace) -> int:
         return 2
     if args.ray is not None:
         if args.out is None:
-            print("pie-media: --ray needs --out FILE.jsonl or FILE.parquet", file=sys.stderr)
+            print("pie-media: --ray needs --out (FILE.jsonl, FILE.parquet or a folder)", file=sys.stderr)
             return 2
         from api.batch.ray_runner import caption_with_ray
 
@@ -149,6 +152,8 @@ def run_caption_command(args: argparse.Namespace) -> int:
             replicas=args.replicas,
             address=None if args.ray == "local" else args.ray,
             column=args.column,
+            spec=spec,
+            out_format=args.out_format,
         )
         print(f"{args.out}: {summary}", file=sys.stderr)
         return 1 if summary.errors else 0
@@ -168,7 +173,7 @@ def run_caption_command(args: argparse.Namespace) -> int:
             spec=spec,
             out_format=args.out_format,
             concurrency=args.concurrency,
-            workers=args.workers,
+            workers=args.workers,  # None: default_workers()
             progress=not args.no_progress,
             column=args.column,
             urls=args.urls,

@@ -170,13 +170,47 @@ def caption_with_ray(
     address: str | None = None,
     batch_size: int = DEFAULT_BATCH,
     column: str | None = None,
-) -> RaySummary:
-    """Caption every file of ``sources`` into ``out`` (see the module docstring)."""
+    spec: Any = None,
+    out_format: str | None = None,
+) -> Any:
+    """Caption every file of ``sources`` into ``out`` (see the module docstring). WebDataset
+    and Parquet shards go through Ray Data's own readers (``api.batch.ray_shards``) and
+    take the whole ``spec`` (default: ``prompt`` and ``max_tokens``)."""
     from api.model_ref import resolve_model_dir
 
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     out = Path(out)
+    local_shards = open_shards([s for s in sources if "://" not in s], column=column, exclude=out)
+    data_shards = [s for s in local_shards if s.kind in ("webdataset", "parquet")]
+    if data_shards:
+        if len(data_shards) != len(local_shards) or any("://" in s for s in sources):
+            raise ValueError(
+                "--ray reads either WebDataset/Parquet shards or media files, not both in one job"
+            )
+        from api.batch.ray_shards import caption_shards_with_ray
+        from api.batch.spec import CaptionSpec
+
+        started: list[Any] = []
+
+        def start_ray() -> Any:
+            started.append(_init_ray(address, replicas))
+            return started[0]
+
+        try:
+            return caption_shards_with_ray(
+                start_ray,
+                data_shards,
+                out,
+                model=model,
+                spec=spec or CaptionSpec(prompts=(prompt,), max_tokens=max_tokens),
+                replicas=replicas,
+                out_format=out_format,
+                batch_size=batch_size,
+            )
+        finally:
+            for ray in started:
+                ray.shutdown()
     model_dir = str(resolve_model_dir(model))
     settings = {"model": Path(model_dir).name, "prompt": prompt, "max_tokens": max_tokens}  # Model.name
     local = [s for s in sources if "://" not in s]

@@ -29,7 +29,10 @@ def split_member_name(name: str) -> tuple[str, str]:
     return name[:dot], name[dot + 1 :]
 
 
-def _sample(shard: Any, key: str, members: dict[str, bytes], errors: list[dict[str, Any]]) -> Sample:
+def sample_from_members(
+    shard: Any, key: str, members: dict[str, bytes], errors: list[dict[str, Any]]
+) -> Sample:
+    """One sample from its members (extension -> bytes, in tar order), as described above."""
     metadata: dict[str, Any] = {}
     media_ext = None
     for ext, data in members.items():
@@ -72,7 +75,7 @@ def tar_samples(shard: Any) -> Iterator[Sample]:
                 k, ext = split_member_name(info.name)
                 if k != key:
                     if key is not None:
-                        yield _sample(shard, key, members, errors)
+                        yield sample_from_members(shard, key, members, errors)
                     key, members, errors = k, {}, []
                 if info.size > DEFAULT_LIMITS.max_bytes:
                     errors.append(
@@ -100,7 +103,7 @@ def tar_samples(shard: Any) -> Iterator[Sample]:
         if key is None:
             yield Sample(key="", shard=shard.id, name=shard.path, error=err)
         else:
-            yield _sample(shard, key, members, [err])
+            yield sample_from_members(shard, key, members, [err])
         return
     if key is not None:
-        yield _sample(shard, key, members, errors)
+        yield sample_from_members(shard, key, members, errors)

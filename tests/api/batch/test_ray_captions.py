@@ -69,3 +69,78 @@ def _parquet(caption_with_ray, src: Path, tmp_path: Path) -> Path:
     out = tmp_path / "ray.parquet"
     caption_with_ray([str(src)], out, model="tiny", max_tokens=8, replicas=1)
     return out
+
+
+def _wds_shard(path: Path, members: list[tuple[str, bytes]]) -> str:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_ray_shards_equal_single_process_and_resume_without_duplicates(tmp_path: Path, samples: Path) -> None:
+    """WebDataset tars through ray.data.read_webdataset, a Parquet file with a key column
+    through ray.data.read_parquet, a tar cut off mid-member through the package's own
+    reader: the records equal the single-process job's. The output already holds a killed
+    run's part (one shard whole, one record of another): nothing is written twice, and a
+    rerun skips every shard by the ledger."""
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from api.batch.job import run_caption_job
+    from api.batch.ray_runner import caption_with_ray
+    from api.model_ref import load_model
+
+    img = {n: (samples / "images" / n).read_bytes() for n in ("rgba.png", "cmyk.jpg", "gray.png", "la.png")}
+    bad = (samples / "hostile/image_truncated.jpg").read_bytes()
+    a = _wds_shard(
+        tmp_path / "a.tar",
+        [("k0.png", img["rgba.png"]), ("k0.json", b'{"n": 0}'), ("k1.jpg", img["cmyk.jpg"]), ("k2.jpg", bad)],
+    )
+    b = _wds_shard(
+        tmp_path / "b.tar", [("k3.png", img["gray.png"]), ("k4.png", img["la.png"]), ("k5.txt", b"x")]
+    )
+    cut = tmp_path / "c.tar"
+    whole = Path(
+        _wds_shard(tmp_path / "c_whole.tar", [("k6.png", img["rgba.png"]), ("k7.png", img["gray.png"])])
+    )
+    with tarfile.open(whole) as t:
+        last = t.getmember("k7.png")
+    cut.write_bytes(whole.read_bytes()[: last.offset_data + last.size // 2])  # cut inside k7's data
+    whole.unlink()
+    table = pa.table({"key": ["p0", "p1"], "jpg": [img["cmyk.jpg"], img["la.png"]], "lang": ["en", "de"]})
+    pq.write_table(table, tmp_path / "d.parquet")
+    inputs = [a, b, str(cut), str(tmp_path / "d.parquet")]
+
+    single = tmp_path / "single.jsonl"
+    run_caption_job(inputs, single, model=load_model("tiny"), max_tokens=8, progress=False)
+    want = [json.loads(line) for line in single.read_text().splitlines()]
+
+    def key(r: dict) -> tuple:
+        return (r["shard"], r["key"], r["prompt"])
+
+    out = tmp_path / "ray.jsonl"  # a killed run's output: shard a whole, one record of b
+    killed = [r for r in want if r["shard"] == a] + [r for r in want if r["shard"] == b][:1]
+    out.write_text("".join(json.dumps(r) + "\n" for r in killed))
+    summary = caption_with_ray(inputs, out, model="tiny", max_tokens=8, replicas=1)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(got) == len({key(r) for r in got}) == len(want)  # nothing twice, nothing lost
+    strip = lambda r: {k: v for k, v in r.items() if k != "elapsed_s"}  # noqa: E731
+    assert sorted(map(strip, got), key=key) == sorted(map(strip, want), key=key)
+    assert {r["error"]["code"] for r in got if "error" in r} == {
+        "corrupt",
+        "missing_media",
+        "truncated_shard",
+    }
+    assert (summary.total, summary.skipped, summary.shards_by_own_reader) == (10, 4, 1)
+
+    again = caption_with_ray(inputs, out, model="tiny", max_tokens=8, replicas=1)
+    assert (again.shards_skipped, again.captioned, again.total) == (4, 0, 10)
+    assert len(out.read_text().splitlines()) == len(want)
