@@ -272,7 +272,7 @@ def test_video_segments_with_times_and_subtitles(tiny, folder, tmp_path):
     recs = _read(out, "jsonl")
     assert [r["segment"] for r in recs] == [0, 1, 2]
     assert recs[0]["start"] == 0 and recs[-1]["end"] == pytest.approx(3.0, abs=0.05)
-    assert all(a["end"] == b["start"] for a, b in zip(recs, recs[1:]))
+    assert all(a["end"] == b["start"] for a, b in zip(recs, recs[1:], strict=False))
     vtt = (
         tmp_path / "seg.subtitles" / f"{str(folder / '03.mp4').strip('/').replace('/', '_')}.vtt"
     ).read_text()
