@@ -125,7 +125,8 @@ def run(
     model: Any, inputs: list[Any], out: Path, *, spec: Any, concurrency: int, workers: int, **kw: Any
 ) -> dict:
     from api.batch.job import caption_job_async
-    from api.batch.sinks import format_for, open_sink
+    from api.batch.sink_open import open_sink
+    from api.batch.sinks import format_for
     from api.batch.sources import open_shards
 
     shards = open_shards(inputs, exclude=out, **kw)

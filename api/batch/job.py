@@ -37,7 +37,8 @@ from api.batch.pipeline import Pipeline, default_workers
 from api.batch.preparation import Preparer
 from api.batch.progress import EngineClock, JobSummary, Progress
 from api.batch.samples import ShardEnd, WorkItem
-from api.batch.sinks import Sink, format_for, open_sink
+from api.batch.sink_open import open_sink
+from api.batch.sinks import Sink, format_for
 from api.batch.sources import Shard, UrlOptions, open_shards
 from api.batch.spec import CaptionSpec
 

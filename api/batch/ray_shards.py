@@ -286,7 +286,8 @@ def caption_shards_with_ray(
 ) -> ShardRunSummary:
     """Caption ``shards`` (WebDataset / Parquet) into ``out``; ``start_ray()`` gives the
     ``ray`` module, started (called only when a shard is left to do)."""
-    from api.batch.sinks import format_for, open_sink
+    from api.batch.sink_open import open_sink
+    from api.batch.sinks import format_for
     from api.model_ref import resolve_model_dir
 
     model_dir = str(resolve_model_dir(model))

@@ -69,19 +69,3 @@ def format_for(out: Path, asked: str | None) -> str:
         f"cannot tell the output format of {out} from its name: use .jsonl, .parquet or a folder "
         "with --out-format webdataset"
     )
-
-
-def open_sink(out: Path, fmt: str, fingerprint: str, settings: dict[str, Any]) -> Sink:
-    if fmt == "jsonl":
-        from api.batch.jsonl_sink import JsonlSink
-
-        return JsonlSink(out, fingerprint, settings)
-    if fmt == "parquet":
-        from api.batch.parquet_sink import ParquetSink
-
-        return ParquetSink(out, fingerprint, settings)
-    if fmt == "webdataset":
-        from api.batch.webdataset_sink import WebDatasetSink
-
-        return WebDatasetSink(out, fingerprint, settings)
-    raise ValueError(f"unknown output format {fmt!r}")
