@@ -18,12 +18,15 @@ from engine.quantization import check_kernels, check_method, quantize_language_m
 log = logging.getLogger(__name__)
 
 
-def check_quantization(method: str | None, config: dict[str, Any], device: torch.device) -> None:
-    """Before any weight loads: ``check_method``, except that "fp8" is what an FP8
-    checkpoint already is (on the CPU it then loads dequantized)."""
+def check_quantization(
+    method: str | None, config: dict[str, Any], device: torch.device, *, allow_slow: bool | None = None
+) -> None:
+    """Before any weight loads: ``check_method`` (int8/int4 on CUDA refused unless
+    ``allow_slow``, default ``PIE_MEDIA_ALLOW_SLOW_QUANTIZATION``), except that "fp8" is what
+    an FP8 checkpoint already is (on the CPU it then loads dequantized)."""
     if method is None or (method == "fp8" and fp8_config(config) is not None):
         return
-    check_method(method, device)
+    check_method(method, device, allow_slow=allow_slow)
 
 
 def quantize_at_load(
@@ -35,14 +38,15 @@ def quantize_at_load(
     *,
     device: torch.device,
     dtype: torch.dtype,
+    allow_slow: bool | None = None,
 ) -> str | None:
     """``Model.load``'s one step after placement: what the model's weights end up as.
 
     None with a float checkpoint: nothing. A checkpoint carrying an fp8
     ``quantization_config`` (already dequantized by the loader) with no method or "fp8":
     on CUDA its layers go back to the file's fp8 values ("fp8"), on the CPU they stay
-    dequantized ("fp8-dequantized"). "int8" / "int4": the language model (and head) are
-    quantized from whatever was loaded."""
+    dequantized ("fp8-dequantized"). "int8" / "int4" / "fp8": the language model (and head)
+    are quantized from whatever was loaded (fp8: per-row W8A8)."""
     from_fp8 = fp8_config(config) is not None
     if method is None and not from_fp8:
         return None
@@ -58,7 +62,7 @@ def quantize_at_load(
         check_kernels(hf)
         return "fp8"
     assert method is not None
-    quantize_language_model(hf, language_model, method, device=device)
+    quantize_language_model(hf, language_model, method, device=device, allow_slow=allow_slow)
     if device.type == "cpu":
         _detach_from_checkpoint_file(hf)
     check_kernels(hf)

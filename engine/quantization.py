@@ -1,4 +1,5 @@
-"""Weight-only quantization of the language model's linear layers at load time.
+"""Quantization of the language model's linear layers at load time (int8/int4 weight-only,
+fp8 W8A8).
 
 Decode reads every weight once per token, so on a memory-bound machine tokens/s scale
 with the bytes the weights take. ``quantize_language_model(arch, method)`` swaps the
@@ -10,9 +11,13 @@ embeddings stay in the load dtype) for:
 - ``Int4WeightOnlyLinear``: 4-bit weights in groups of ``group_size`` input features
   (asymmetric min/max per group, a bfloat16 scale and offset each; default 32, the
   smallest group the kernels take: same speed as 64/128 here and the smallest error);
+- ``Fp8RowwiseLinear`` (``--quantization fp8``): float8 e4m3 weights with one float32
+  scale per output channel, activations quantized per row on the fly (W8A8), through
+  torch's scaled matmul (``engine.fp8_matmul``: rowwise recipe, sm89+);
 - ``Fp8BlockLinear``: float8 e4m3 weights with one scale per 128x128 block, the layout of
-  the FP8 checkpoints Qwen publishes (``engine.fp8_checkpoint``); CUDA only, since the CPU
-  has no fp8 kernel (there an FP8 checkpoint is dequantized to the load dtype at load).
+  the FP8 checkpoints Qwen publishes (``engine.fp8_checkpoint``), activations in 1x128
+  blocks (sm90 and cuBLASLt >= 12.9). fp8 is CUDA-only at load: on the CPU an FP8
+  checkpoint is dequantized to the load dtype (torch's CPU fp8 matmul is slower than that).
 
 Kernels, chosen per device when the layer is built (the weight is already placed):
 on the CPU torch's own ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` with
@@ -20,75 +25,126 @@ bfloat16 activations (measured at 1x2048 by 2048x6144: 0.16 / 0.18 ms against 2.
 float32 ``F.linear`` and 4.2 ms for the int8 op fed float32: activations are therefore cast
 to bfloat16 and the output back to the input's dtype); on CUDA ``_weight_int8pack_mm`` and
 ``_weight_int4pack_mm`` (tensor-core tiles, packed by ``_convert_weight_to_int4pack``) and
-for fp8 ``torch.nn.functional.scaled_mm`` with 1x128 activation / 128x128 weight blocks.
-Every CUDA kernel is tried on the layer's first call against the dequantize-then-matmul
-reference and replaced by it (logged) when it raises or disagrees, so a CUDA build without
-one of them still runs. torchao was not added: its CPU int8/int4 weight-only layouts call
-these same aten ops. Passes of many rows (prefill) dequantize the weight to bfloat16 and
-run one GEMM, which beats the weight-only kernels at that size on the CPU.
+for fp8 torch's scaled matmul, with the scales laid out as ``engine.fp8_matmul`` says.
+int8/int4 are refused on CUDA (``check_method``): on an H100 at the 2B shapes they were
+4-9x (int8) and up to 10x (int4) slower than bfloat16, so fp8 is the quantization that
+pays there; ``allow_slow=True`` or ``PIE_MEDIA_ALLOW_SLOW_QUANTIZATION=1`` keeps them for
+memory's sake. Every CUDA kernel is tried on the layer's first call against its reference
+(int8/int4: dequantize + matmul; fp8: the same quantized activations and weights
+multiplied in float32, since W8A8 differs from the weight-only product by the activation
+rounding, ~2.5% relative) and replaced by dequantize + matmul when it raises or
+disagrees; a kernel the device or torch build cannot run is never tried. Either way one
+log line per reason says why. torchao was not added: its CPU int8/int4 weight-only layouts
+call these same aten ops. int8/int4 passes of many rows (prefill) dequantize the weight to
+bfloat16 and run one GEMM, which beats the weight-only kernels at that size on the CPU;
+fp8 uses its kernel at every row count.
 
 Each quantized layer keeps ``in_features`` / ``out_features`` and its module path, so
 ``engine.lora`` wraps it like a plain linear layer (the base output comes from the
 quantized forward, the LoRA delta is added in float). Layers a kernel cannot take (int4:
-``in_features`` not a multiple of the group, ``out_features`` not a multiple of 16) stay
-in the load dtype; ``QuantizationReport.kept`` names them.
+``in_features`` not a multiple of the group, ``out_features`` not a multiple of 16; fp8:
+either not a multiple of 16) stay in the load dtype; ``QuantizationReport.kept`` names them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from engine import fp8_matmul
 from engine.errors import QuantizationUnavailableError
 
 log = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4", "fp8")
 """Weight quantizations ``Model.load(quantization=...)`` knows."""
+SLOW_ON_CUDA = ("int8", "int4")
+"""Weight-only methods refused on CUDA unless asked for anyway: bench/quant.py --layers-only
+on an H100 (2B layer shapes, issue 33) measured int8 at 1 row 0.064-0.171 ms against
+bfloat16's 0.017-0.020 ms, and int4 slower than bfloat16 at 1 row and ~10x slower at 256."""
+ALLOW_SLOW_ENV = "PIE_MEDIA_ALLOW_SLOW_QUANTIZATION"
+"""Set to 1 to load int8/int4 on CUDA anyway (to fit a model in memory, not for speed)."""
 
 INT4_GROUP_SIZE = 32
 PREFILL_DEQUANT_ROWS = 64
-"""From this many rows a pass dequantizes the weight and runs one bfloat16 GEMM (at 256
-rows of 2048x6144 on the CPU: 30 ms against 40 ms for the int8 kernel)."""
+"""From this many rows an int8/int4 pass dequantizes the weight and runs one bfloat16 GEMM
+(at 256 rows of 2048x6144 on the CPU: 30 ms against 40 ms for the int8 kernel)."""
 FP8_BLOCK = (128, 128)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MAX = fp8_matmul.FP8_MAX
+
+_logged: set[str] = set()
 
 
-def available_methods(device: torch.device) -> tuple[str, ...]:
-    """The methods that can run on ``device`` (fp8 weights need CUDA)."""
-    return METHODS if device.type == "cuda" else ("int8", "int4")
+def _log_once(message: str, *args: Any) -> None:
+    """One warning per distinct message (a model has hundreds of layers with the same reason)."""
+    text = message % args if args else message
+    if text not in _logged:
+        _logged.add(text)
+        log.warning("%s", text)
 
 
-def check_method(method: str, device: torch.device) -> None:
-    """A typed error for an unknown method or one ``device`` cannot run."""
-    here = available_methods(device)
+def allow_slow_default() -> bool:
+    """Whether ``PIE_MEDIA_ALLOW_SLOW_QUANTIZATION`` asks for int8/int4 on CUDA anyway."""
+    return os.environ.get(ALLOW_SLOW_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def available_methods(device: torch.device, *, allow_slow: bool | None = None) -> tuple[str, ...]:
+    """The methods ``device`` runs: int8/int4 on the CPU (fp8 weights need CUDA); fp8 on
+    CUDA, plus int8/int4 there only when ``allow_slow`` (default: the environment variable)."""
+    if device.type != "cuda":
+        return ("int8", "int4")
+    slow = allow_slow_default() if allow_slow is None else allow_slow
+    return METHODS if slow else ("fp8",)
+
+
+def check_method(method: str, device: torch.device, *, allow_slow: bool | None = None) -> None:
+    """A typed error for an unknown method or one ``device`` cannot run, or (int8/int4 on
+    CUDA) one slower there than the bfloat16 weights it replaces."""
+    here = available_methods(device, allow_slow=allow_slow)
     if method not in METHODS:
         raise QuantizationUnavailableError(
             f"unknown quantization {method!r}; available on {device.type}: {', '.join(here)}",
             method=method,
             available=list(here),
         )
-    if method not in here:
+    if method in here:
+        return
+    if device.type == "cuda" and method in SLOW_ON_CUDA:
         raise QuantizationUnavailableError(
-            f"quantization {method!r} needs a CUDA device (no fp8 matmul on the CPU); available on "
-            f"{device.type}: {', '.join(here)} (an FP8 checkpoint still loads here, dequantized)",
+            f"quantization {method!r} is refused on CUDA: its weight-only kernels are slower than "
+            f"bfloat16 there (H100, 2B layer shapes: int8 4-9x slower per decode row, int4 up to 10x "
+            f"slower); use quantization 'fp8' (fp8 weights and activations through torch's scaled "
+            f"matmul), the one that pays on a GPU. To load {method} anyway for its memory savings: "
+            f"Model.load(..., quantization={method!r}) with {ALLOW_SLOW_ENV}=1 in the environment "
+            f"(serve reads it too)",
             method=method,
             available=list(here),
+            reason="slower_than_bfloat16_on_cuda",
+            override=ALLOW_SLOW_ENV,
         )
+    raise QuantizationUnavailableError(
+        f"quantization {method!r} needs a CUDA device (no fp8 matmul on the CPU); available on "
+        f"{device.type}: {', '.join(here)} (an FP8 checkpoint still loads here, dequantized)",
+        method=method,
+        available=list(here),
+    )
 
 
 class QuantizedLinear(torch.nn.Module):
     """Base of the quantized linear layers: ``y = x W^T + b`` with W stored compressed.
 
-    Subclasses implement ``dequantized_weight`` (the reference) and ``_kernel_matmul``
+    Subclasses implement ``dequantized_weight`` (the fallback) and ``_kernel_matmul``
     ((rows, in) activations -> (rows, out)); the base handles shapes, dtypes, the bias,
-    the many-rows path and the lazy check of CUDA kernels."""
+    the many-rows path and the lazy check of CUDA kernels against ``_reference_matmul``."""
 
     method: str = ""
+    dequant_from_rows: int | None = PREFILL_DEQUANT_ROWS
+    """Passes of at least this many rows dequantize and run one GEMM (None: never)."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, device: torch.device):
         super().__init__()
@@ -119,7 +175,8 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        if self.kernel == "dequant" or flat.shape[0] >= PREFILL_DEQUANT_ROWS:
+        many = self.dequant_from_rows is not None and flat.shape[0] >= self.dequant_from_rows
+        if self.kernel == "dequant" or many:
             y = self._dequant_matmul(flat)
         elif not self._checked:
             y = self._first_cuda_call(flat)
@@ -133,23 +190,30 @@ class QuantizedLinear(torch.nn.Module):
         dt = self.compute_dtype
         return F.linear(flat.to(dt), self.dequantized_weight(dt))
 
+    def _reference_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """What the kernel must reproduce (weight-only kernels: dequantize + matmul)."""
+        return self._dequant_matmul(flat)
+
     def _first_cuda_call(self, flat: torch.Tensor) -> torch.Tensor:
-        """The CUDA kernel's first call, checked against dequantize + matmul; on an error or a
-        disagreement the layer keeps the dequantize path (logged once per layer)."""
+        """The CUDA kernel's first call, checked against ``_reference_matmul``; on an error
+        or a disagreement the layer keeps dequantize + matmul (one log line per reason)."""
         self._checked = True
-        ref = self._dequant_matmul(flat)
+        ref = self._reference_matmul(flat)
         try:
             y = self._kernel_matmul(flat.to(self.compute_dtype).contiguous())
             err = (y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
             if not bool(err < 2e-2):
-                raise RuntimeError(f"relative error {float(err):.3g} against dequantize + matmul")
+                raise RuntimeError(f"relative error {float(err):.3g} against its reference")
             return y
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
-            log.warning(
-                "%s: CUDA kernel not usable (%s); dequantize + matmul instead", type(self).__name__, e
+            _log_once(
+                "%s: CUDA kernel not usable (%s: %s); dequantize + matmul instead",
+                type(self).__name__,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
             )
             self.kernel = "dequant"
-            return ref
+            return self._dequant_matmul(flat)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
@@ -257,11 +321,102 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         )
 
 
-class Fp8BlockLinear(QuantizedLinear):
-    """float8 e4m3 weights with one float32 scale per (128, 128) block (``weight_scale_inv``
-    in the checkpoint's naming: the factor that turns the stored value back into the weight)."""
+class Fp8Linear(QuantizedLinear):
+    """Base of the fp8 W8A8 layers: float8 e4m3 weight (out, in), activations quantized per
+    call, ``engine.fp8_matmul``'s ``recipe`` on the device's scaled matmul. The kernel's
+    reference is the same arithmetic in float32 (quantized activations times the
+    dequantized weight); the fallback multiplies unquantized activations (W8A16)."""
 
     method = "fp8"
+    recipe = ""
+    dequant_from_rows = None  # fp8 tensor cores beat a bfloat16 GEMM at prefill sizes too
+
+    def _choose_kernel(self, device: torch.device, fits: str | None) -> None:
+        """``self.kernel``: the device's when it runs ``recipe`` for this shape, else dequantize +
+        matmul with one log line naming why (on CUDA; the CPU kernel is a test rehearsal)."""
+        why = fits or fp8_matmul.unavailable(self.recipe, device)
+        if why is None:
+            self.kernel = device.type
+            return
+        self.kernel = "dequant"
+        if device.type == "cuda":
+            _log_once(
+                "%s: fp8 scaled matmul unavailable (%s); dequantize + matmul instead",
+                type(self).__name__,
+                why,
+            )
+
+    def _quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _activation_scales_full(self, scale: torch.Tensor) -> torch.Tensor:
+        """(rows, in) float32 factors that turn quantized activations back into values."""
+        raise NotImplementedError
+
+    def _scale_b(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kernel_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(a, b, scale_a, scale_b) for ``fp8_matmul.scaled_mm``, for (rows, in) ``x``."""
+        xq, xs = self._quantize_activations(x)
+        return xq, self.weight.t(), xs, self._scale_b()
+
+    def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.kernel == "cuda":
+            x = fp8_matmul.pad_rows(x, fp8_matmul.M_MULTIPLE[self.recipe])
+        y = fp8_matmul.scaled_mm(self.recipe, *self.kernel_operands(x), out_dtype=self.compute_dtype)
+        return y[:rows]
+
+    def _reference_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        xq, xs = self._quantize_activations(flat.to(self.compute_dtype))
+        x = xq.float() * self._activation_scales_full(xs)
+        return F.linear(x, self.dequantized_weight(torch.float32)).to(self.compute_dtype)
+
+
+class Fp8RowwiseLinear(Fp8Linear):
+    """float8 e4m3 weights with one float32 scale per output channel (``max|w_row| / 448``),
+    activations with one scale per row: torch's row-wise scaled matmul, what
+    ``--quantization fp8`` builds from float weights."""
+
+    recipe = fp8_matmul.ROWWISE
+
+    def __init__(self, linear: torch.nn.Linear):
+        w = linear.weight.detach()
+        n, k = w.shape
+        super().__init__(k, n, linear.bias, w.device)
+        if w.dtype in (torch.float16, torch.bfloat16):
+            self.compute_dtype = w.dtype
+        wf = w.float()
+        scale = wf.abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX
+        q = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("weight_scale", scale.contiguous())
+        self._choose_kernel(w.device, None if fits_fp8(linear) else f"{n}x{k} not multiples of 16")
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Fp8RowwiseLinear:
+        return cls(linear)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def _quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_matmul.quantize_rows(x)
+
+    def _activation_scales_full(self, scale: torch.Tensor) -> torch.Tensor:
+        return scale.expand(-1, self.in_features)
+
+    def _scale_b(self) -> torch.Tensor:
+        return self.weight_scale.view(1, -1)
+
+
+class Fp8BlockLinear(Fp8Linear):
+    """float8 e4m3 weights with one float32 scale per (128, 128) block (``weight_scale_inv``
+    in the checkpoint's naming: the factor that turns the stored value back into the weight),
+    activations in 1x128 blocks: torch's block-scaled matmul (DeepSeek's recipe)."""
+
+    recipe = fp8_matmul.BLOCKWISE
 
     def __init__(
         self,
@@ -282,9 +437,16 @@ class Fp8BlockLinear(QuantizedLinear):
         self.compute_dtype = compute_dtype
         self.register_buffer("weight", weight.to(torch.float8_e4m3fn).contiguous())
         self.register_buffer("weight_scale_inv", weight_scale_inv.to(torch.float32).contiguous())
-        fits = block == FP8_BLOCK and n % block[0] == 0 and k % block[1] == 0
-        self.kernel = "cuda" if weight.device.type == "cuda" and fits else "dequant"
-        self._mm_scale: torch.Tensor | None = None
+        # scaled-mm's 128x128 scale_b, built once: K-blocks padded to 4, strides (1, L4)
+        self.register_buffer(
+            "mm_scale_b", fp8_matmul.block_weight_scale(self.weight_scale_inv), persistent=False
+        )
+        fits = None
+        if block != FP8_BLOCK or n % block[0] or k % block[1]:
+            fits = f"{n}x{k} in {block[0]}x{block[1]} blocks is not whole 128x128 blocks"
+        elif not hasattr(F, "scaled_mm") and (k // 128) % 4:
+            fits = f"torch._scaled_mm without F.scaled_mm mis-reads K/128 = {k // 128} (not a multiple of 4)"
+        self._choose_kernel(weight.device, fits)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, block: tuple[int, int] = FP8_BLOCK) -> Fp8BlockLinear:
@@ -296,28 +458,17 @@ class Fp8BlockLinear(QuantizedLinear):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
-    def scaled_mm_args(self, x: torch.Tensor) -> tuple[Any, ...]:
-        """``F.scaled_mm``'s operands for 1x128 activation blocks by 128x128 weight blocks:
-        activation scales (rows, k/128) column-major; weight scales (round_up(k/128, 4),
-        n/128) with stride (1, that padded count), as torch's blockwise recipe asks."""
-        if self._mm_scale is None or self._mm_scale.device != self.weight.device:
-            kb, nb = self.in_features // 128, self.out_features // 128
-            l4 = -(-kb // 4) * 4
-            padded = torch.ones(nb, l4, dtype=torch.float32, device=self.weight.device)
-            padded[:, :kb] = self.weight_scale_inv
-            self._mm_scale = padded.t()
-        xq, xs = quantize_fp8_rows(x, self.block[1])
-        return (
-            xq,
-            self.weight.t(),
-            xs,
-            F.ScalingType.BlockWise1x128,
-            self._mm_scale,
-            F.ScalingType.BlockWise128x128,
-        )
+    def _quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_matmul.quantize_blocks_1x128(x)
 
-    def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.scaled_mm(*self.scaled_mm_args(x), output_dtype=self.compute_dtype)
+    def _activation_scales_full(self, scale: torch.Tensor) -> torch.Tensor:
+        return scale.repeat_interleave(fp8_matmul.BLOCK, dim=1)[:, : self.in_features]
+
+    def _scale_b(self) -> torch.Tensor:
+        return self.mm_scale_b
+
+    def weight_bytes(self) -> int:
+        return self.weight.numel() + self.weight_scale_inv.numel() * 4
 
 
 # -- block-wise fp8 arithmetic (shared with engine.fp8_checkpoint and the fixture) -------------
@@ -345,24 +496,6 @@ def dequantize_fp8_blocks(
     n, k = q.shape
     s = scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
     return (q.float() * s).to(dtype)
-
-
-def quantize_fp8_rows(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations as float8 with one scale per row and ``block`` features (dynamic, as the
-    checkpoints' ``activation_scheme: dynamic`` says); scales (rows, ceil(k/block)) stored
-    column-major, the layout scaled-mm's 1x128 recipe reads."""
-    m, k = x.shape
-    nb = -(-k // block)
-    padded = torch.zeros(m, nb * block, dtype=torch.float32, device=x.device)
-    padded[:, :k] = x.float()
-    amax = padded.reshape(m, nb, block).abs().amax(dim=-1).clamp_min(1e-12)
-    scale = amax / FP8_MAX
-    q = (
-        (padded.reshape(m, nb, block) / scale[..., None])
-        .reshape(m, nb * block)[:, :k]
-        .to(torch.float8_e4m3fn)
-    )
-    return q.contiguous(), scale.t().contiguous().t()
 
 
 # -- packing helpers ---------------------------------------------------------------------------
@@ -399,6 +532,11 @@ def fits_int4(linear: torch.nn.Linear, group_size: int = INT4_GROUP_SIZE) -> boo
         and linear.out_features % 16 == 0
         and linear.in_features >= group_size
     )
+
+
+def fits_fp8(linear: torch.nn.Linear) -> bool:
+    """Whether torch's scaled matmul takes this layer (in and out multiples of 16)."""
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
 @dataclass
@@ -452,7 +590,7 @@ def _quantized(mod: torch.nn.Linear, method: str, group_size: int) -> QuantizedL
     if method == "int4":
         return Int4WeightOnlyLinear(mod, group_size) if fits_int4(mod, group_size) else None
     if method == "fp8":
-        return Fp8BlockLinear.from_linear(mod)
+        return Fp8RowwiseLinear(mod) if fits_fp8(mod) else None
     raise QuantizationUnavailableError(
         f"unknown quantization {method!r}", method=method, available=list(METHODS)
     )
@@ -466,11 +604,12 @@ def quantize_language_model(
     device: torch.device,
     head: bool = True,
     group_size: int = INT4_GROUP_SIZE,
+    allow_slow: bool | None = None,
 ) -> QuantizationReport:
     """Quantize the language model's linear layers of a loaded, placed ``hf`` model, and the
     LM head when ``head`` (a tied head gets its own quantized copy; the embedding stays).
     Module paths stay those of ``hf`` (LoRA adapters name them)."""
-    check_method(method, device)
+    check_method(method, device, allow_slow=allow_slow)
     prefix = next(n for n, m in hf.named_modules() if m is language_model)
     report = quantize_modules(language_model, method, prefix=prefix, group_size=group_size)
     lm_head = getattr(hf, "lm_head", None)
