@@ -1,33 +1,38 @@
-"""CSM's depth decoder replayed from CUDA graphs, one graph per codebook step and batch bucket.
+"""CSM's frame head replayed from CUDA graphs: a whole frame per batch bucket in one replay.
 
-Each frame of each stream runs the depth decoder ``num_codebooks - 1`` times (31 small
-steps on a real CSM), batched over the streams of a pass (``speech.frame_head``). On a GPU
-these steps are host-bound: a few tiny layers whose kernels the host launches one by one
-from transformers' modules. A CUDA graph per step launches them at once.
+Each frame of each stream runs codebook 0 (the backbone's ``lm_head``) and then the depth
+decoder ``num_codebooks - 1`` times (31 small steps on a real CSM), batched over the
+streams of a pass (``speech.frame_head``). On a GPU these steps are host-bound: a few tiny
+layers whose kernels the host launches one by one from transformers' modules. Here the
+whole frame (codebook 0, every depth step with its code choice, and the frame's summed
+codebook embedding) is one static function of static buffers, captured once per bucket
+and launched as one replay.
 
-Why a graph per STEP, not one per frame: sampling stays outside the graph, per row (each
-stream's own settings and ``torch.Generator``, in the order it draws alone), and a sampled
-row's code is the next step's input. So the host picks the codes between replays (greedy
-rows: an argmax, as without graphs) and copies them into the static id buffer. The steps
-also differ in shape (step 0 feeds two positions: the backbone's hidden state and codebook
-0; later steps one), and each step's position is fixed (a frame always starts at the
-depth decoder's position 0), so each step is one static function of the static buffers.
+What makes that possible: the code choice of every step happens on the device
+(``speech.frame_head.choose``: greedy rows an argmax; sampled rows per-row temperature and
+top-k, then an exponential race over noise the streams drew from their own generators
+BEFORE the replay, ``draw_noise``), so no value goes back to the host between steps; and
+every step's shape and position are fixed (a frame always starts at the depth decoder's
+position 0: step 0 feeds two positions, the backbone's hidden state and codebook 0, later
+steps one), so the step loop unrolls into the graph. Two graphs per bucket: one whose rows
+are all greedy (argmaxes only) and one with the sampler (its sort for top-k is skipped by
+passes with no sampled row).
 
-What is captured, per batch bucket (1, 2, 4, 8, 16, ... up to ``max_batch``) and step i:
-transformers' ``CsmDepthDecoderForCausalLM`` over static inputs (the backbone hidden
-states (B, H) and the previous codes (B,)) into a static logits buffer (B, V), with a KV
-cache whose layers write into static tensors (B, kv_heads, num_codebooks, head_dim) at the
-step's fixed positions and attend over exactly the positions written so far (the same
-shapes and values as the ``DynamicCache`` of the plain path, so the same numbers, not a
-masked full-length ``StaticCache``, whose length lives in a device tensor read by the host).
-The inputs go in as embeddings, computed as the model does from ids (the codebook's offset
-into the shared table; the hidden state at position 0), because the model reads a device
-value on the host when only ids are given, which a capture forbids. Buffers are shared by
-all buckets (a bucket uses their first B rows). Rows past a pass's batch are padding: they
-run on whatever the buffers hold and are never read; every op of the depth decoder works
-row by row (attention within a row's own cache), so they cannot change the real rows.
+Buffers, per model (a bucket uses their first B rows): the backbone hidden states (B, H),
+the per-row settings (B, 2, 3) and noise (B, num_codebooks, V) in, codes (B,
+num_codebooks) and frame embeddings (B, H) out; a KV cache whose layers write into static
+tensors (B, kv_heads, num_codebooks, head_dim) at each step's fixed positions and attend
+over exactly the positions written so far (the same shapes and values as the
+``DynamicCache`` of the plain path, so the same numbers, not a masked full-length
+``StaticCache``, whose length lives in a device tensor read by the host). The depth inputs
+go in as embeddings, computed as the model does from ids (the codebook's offset into the
+shared table; the hidden state at position 0), because the model reads a device value on
+the host when only ids are given, which a capture forbids. Rows past a pass's batch are
+padding: they run on whatever the buffers hold and are never read; every op works row by
+row (attention within a row's own cache, the sampler within a row), so they cannot change
+the real rows.
 
-``capture=False`` runs the same static-buffer step eagerly instead of replaying a graph:
+``capture=False`` runs the same static-buffer frame eagerly instead of replaying a graph:
 everything but the capture, which is how it is tested on the CPU. vLLM and SGLang capture
 inside their own runners; there is no library to call for this.
 """
@@ -35,11 +40,13 @@ inside their own runners; there is no library to call for this.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from engine.decode_graphs import BUCKETS
+from speech.frame_head import FrameRequest, choose, draw_noise, greedy, row_settings, samples
 from speech.hf_cache import cache_keyword
 
 log = logging.getLogger(__name__)
@@ -85,10 +92,12 @@ def _fixed_layer_class() -> type:
 
 
 class DepthGraphs:
-    """Logits of the depth decoder's steps for a whole batch, from static buffers (see the
-    module doc). ``FrameHead`` calls ``step`` once per codebook step when ``takes`` the batch."""
+    """Frames of a whole batch from static buffers, one replay each (see the module doc).
+    ``FrameHead`` calls ``frame`` for a pass it ``takes``."""
 
-    def __init__(self, hf: Any, max_batch: int, *, capture: bool):
+    def __init__(self, hf: Any, max_batch: int, *, capture: bool, suppress: torch.Tensor | None = None):
+        """``suppress``: (V,) bool, the ids never chosen (default: ids >= the codec's
+        codebook size, as ``SpeechModel`` suppresses)."""
         from transformers.cache_utils import Cache
 
         if max_batch < 1:
@@ -96,6 +105,8 @@ class DepthGraphs:
         depth = hf.depth_decoder
         cfg = depth.config
         self.depth = depth
+        self.lm_head = hf.lm_head
+        self.frame_embed = hf.backbone_model.embed_tokens
         self.cache_keyword = cache_keyword(depth)
         self.embed = depth.model.embed_tokens
         self.vocab = int(depth.model.vocab_size)
@@ -109,9 +120,15 @@ class DepthGraphs:
         self.max_batch = max_batch
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         dev = self.device
-        self.hidden = torch.zeros(max_batch, int(cfg.backbone_hidden_size), dtype=self.dtype, device=dev)
-        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.logits = torch.zeros(max_batch, self.vocab, dtype=self.dtype, device=dev)
+        if suppress is None:
+            suppress = torch.arange(self.vocab) >= int(hf.config.codec_config.codebook_size)
+        self.suppress = suppress.to(dev)
+        hidden_size = int(cfg.backbone_hidden_size)
+        self.hidden = torch.zeros(max_batch, hidden_size, dtype=self.dtype, device=dev)
+        self.settings = torch.tensor([[1.0, 1.0, float(self.vocab)]] * 2, device=dev).repeat(max_batch, 1, 1)
+        self.noise = torch.ones(max_batch, self.num_codebooks, self.vocab, device=dev)
+        self.codes = torch.zeros(max_batch, self.num_codebooks, dtype=torch.long, device=dev)
+        self.embeds = torch.zeros(max_batch, hidden_size, dtype=self.dtype, device=dev)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (max_batch, int(cfg.num_key_value_heads), self.num_codebooks, int(head_dim))
         self._kv = [
@@ -123,12 +140,15 @@ class DepthGraphs:
         ]
         layer = _fixed_layer_class()
         self._caches = {b: Cache(layers=[layer(k[:b], v[:b]) for k, v in self._kv]) for b in self.buckets}
-        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[tuple[int, bool], Any] = {}
         self._mempool: Any = None
-        self.bucket_steps: dict[int, int] = {}
-        """Steps run per bucket (which padded shapes the passes took)."""
+        self.bucket_frames: dict[int, int] = {}
+        """Frame passes run per bucket (which padded shapes the passes took)."""
         self.replays = 0
-        """Steps replayed from a graph (or, with ``capture=False``, run through the buffers)."""
+        """Frame passes replayed from a graph (or, with ``capture=False``, run through the
+        buffers): one per pass, whatever the number of codebooks."""
+        self.sampled_replays = 0
+        """Of those, passes with a sampled row (the sampler's graph)."""
         self.captures = 0
 
     def __repr__(self) -> str:
@@ -144,79 +164,98 @@ class DepthGraphs:
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    # -- a step -------------------------------------------------------------------------------
-    def step(self, i: int, ids: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """(n, V) logits of depth step ``i`` for ``n`` rows: ``ids`` (n,) are codebook ``i``'s
-        codes (step 0: the backbone's codebook 0), ``hidden`` (n, H) the backbone's last hidden
-        states (step 0 only). A view of the static buffer: read it before the next step."""
-        if not 0 <= i < self.steps:
-            raise ValueError(f"depth step {i} out of range 0..{self.steps - 1}")
-        n = ids.shape[0]
+    # -- a frame ------------------------------------------------------------------------------
+    def frame(
+        self, hidden: torch.Tensor, requests: Sequence[FrameRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, num_codebooks) codes and (n, H) frame embeddings of ``n`` streams whose
+        backbone last hidden states are ``hidden`` (n, H) (copies, not the buffers)."""
+        n = len(requests)
+        if not self.takes(n) or hidden.shape[0] != n:
+            raise ValueError(
+                f"{n} requests and {hidden.shape[0]} hidden states for buckets up to {self.max_batch}"
+            )
         bucket = self.bucket(n)
+        sampling = any(samples(r) for r in requests)
         with torch.inference_mode():
-            if i == 0:
-                if hidden is None:
-                    raise ValueError("depth step 0 needs the backbone's hidden states")
-                self.hidden[:n].copy_(hidden)
-            self.ids[:n].copy_(ids)
+            self.hidden[:n].copy_(hidden)
+            if sampling:
+                settings = row_settings(requests, self.vocab)
+                if self.device.type == "cuda":  # no sync: the stream orders the copy
+                    settings = settings.pin_memory()
+                self.settings[:n].copy_(settings, non_blocking=True)
+                draw_noise(self.noise[:n], requests)
             if self.capture:
-                graph = self._graphs.get((bucket, i))
+                graph = self._graphs.get((bucket, sampling))
                 if graph is None:
-                    graph = self._capture(bucket, i)
+                    graph = self._capture(bucket, sampling)
                 graph.replay()
             else:
-                self._forward(bucket, i)
+                self._forward(bucket, sampling)
+            codes, embeds = self.codes[:n].clone(), self.embeds[:n].clone()
         self.replays += 1
-        self.bucket_steps[bucket] = self.bucket_steps.get(bucket, 0) + 1
-        return self.logits[:n]
+        self.sampled_replays += sampling
+        self.bucket_frames[bucket] = self.bucket_frames.get(bucket, 0) + 1
+        return codes, embeds
 
-    def _forward(self, bucket: int, i: int) -> None:
-        """Depth step ``i`` over the first ``bucket`` rows of the static buffers."""
+    def _forward(self, bucket: int, sampling: bool) -> None:
+        """A frame over the first ``bucket`` rows of the static buffers."""
+        hidden = self.hidden[:bucket]
+
+        def pick(logits: torch.Tensor, level: int, codebook: int) -> torch.Tensor:
+            if not sampling:
+                return greedy(logits, self.suppress)
+            return choose(logits, self.suppress, self.settings[:bucket, level], self.noise[:bucket, codebook])
+
+        code = pick(self.lm_head(hidden), 0, 0)
+        self.codes[:bucket, 0].copy_(code)
         cache = self._caches[bucket]
-        ids = self.ids[:bucket]
-        if i == 0:  # positions 0 and 1: the backbone's hidden state, then codebook 0
-            for layer in cache.layers:
-                layer.seek(0)
-            embeds = torch.stack([self.hidden[:bucket], self.embed(ids)], dim=1)
-        else:  # position i + 1: codebook i (its slice of the shared table)
-            for layer in cache.layers:
-                layer.seek(i + 1)
-            embeds = self.embed(ids + i * self.vocab)[:, None]
-        out = self.depth(
-            inputs_embeds=embeds, use_cache=True, logits_to_keep=1, **{self.cache_keyword: cache}
-        )
-        self.logits[:bucket].copy_(out.logits[:, -1])
+        for i in range(self.steps):
+            if i == 0:  # positions 0 and 1: the backbone's hidden state, then codebook 0
+                for layer in cache.layers:
+                    layer.seek(0)
+                embeds = torch.stack([hidden, self.embed(code)], dim=1)
+            else:  # position i + 1: codebook i (its slice of the shared table)
+                for layer in cache.layers:
+                    layer.seek(i + 1)
+                embeds = self.embed(code + i * self.vocab)[:, None]
+            out = self.depth(
+                inputs_embeds=embeds, use_cache=True, logits_to_keep=1, **{self.cache_keyword: cache}
+            )
+            code = pick(out.logits[:, -1], 1, i + 1)
+            self.codes[:bucket, i + 1].copy_(code)
+        self.embeds[:bucket].copy_(self.frame_embed(self.codes[:bucket, None, :])[:, 0])
 
     # -- capture ahead of traffic ---------------------------------------------------------------
     def warm(self) -> None:
-        """Every step of every bucket now, largest bucket first (the smaller graphs reuse its
-        memory pool), so no request waits for a capture. ``SpeechModel.load(cuda_graphs=N)``
-        calls this. Runs on the buffers' current contents (any ids in range will do)."""
+        """Both graphs (greedy, sampler) of every bucket now, largest bucket first (the
+        smaller graphs reuse its memory pool), so no request waits for a capture.
+        ``SpeechModel.load(cuda_graphs=N)`` calls this. Runs on the buffers' current
+        contents (zeros, ones and greedy settings from construction will do)."""
         with torch.inference_mode():
-            self.ids.zero_()
             for bucket in sorted(self.buckets, reverse=True):
-                for i in range(self.steps):
+                for sampling in (False, True):
                     if self.capture:
-                        if (bucket, i) not in self._graphs:
-                            self._capture(bucket, i)
+                        if (bucket, sampling) not in self._graphs:
+                            self._capture(bucket, sampling)
                     else:
-                        self._forward(bucket, i)
+                        self._forward(bucket, sampling)
 
-    def _capture(self, bucket: int, i: int) -> Any:
-        """Warm up on a side stream, then capture one run of the step."""
+    def _capture(self, bucket: int, sampling: bool) -> Any:
+        """Warm up on a side stream, then capture one run of the frame."""
         dev = self.device
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(bucket, i)
+                self._forward(bucket, sampling)
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            self._forward(bucket, i)
-        self._graphs[(bucket, i)] = graph
+            self._forward(bucket, sampling)
+        self._graphs[(bucket, sampling)] = graph
         self.captures += 1
-        log.debug("captured depth step %d for batch size %d", i, bucket)
+        log.debug("captured the frame head for batch size %d (sampler: %s)", bucket, sampling)
         return graph

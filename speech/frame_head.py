@@ -5,15 +5,21 @@ hidden state. ``FrameHead.run`` picks codebook 0 from the backbone's ``lm_head``
 them, then runs the depth decoder once per codebook step over all of them (they are all on
 the same step: a frame always starts at the depth decoder's position 0, so the batch needs
 no padding and a plain ``DynamicCache``), and returns each stream's codes with the summed
-codebook embedding that feeds the frame back to the backbone.
+codebook embedding that feeds the frame back to the backbone. A pass that
+``speech.depth_graphs.DepthGraphs`` takes runs the same frame as one replay instead.
 
-Sampling is per stream (its own settings and ``torch.Generator``): greedy rows of a pass
-are one argmax; a sampled row draws from its own row of the logits with its own generator,
-in the same order as alone (codebook 0, then 1..n-1), so a seeded request gives the same
-frames alone and batched. Logits processing follows transformers' order: suppress,
-temperature, top-k, softmax, multinomial. Ids ``>= codebook_size`` are suppressed at both
-levels (random weights can pick the 3 specials past the Mimi codes; Mimi would index out
-of range); id 0, the eos code, is a valid code and is kept for the stop rule.
+Sampling is per row, on the device, with no read back between codebooks (so the whole
+frame can be one CUDA graph): ``choose`` applies transformers' order (suppress,
+temperature, top-k, softmax) with each row's own settings and draws the code by an
+exponential race, ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per id, which picks id
+``i`` with probability ``probs[i]`` (the Gumbel-max trick in another form). The draws are
+made BEFORE the frame, per stream, from the stream's own ``torch.Generator``
+(``draw_noise``: one ``(num_codebooks, V)`` block per frame, row 0 for codebook 0), so a
+seeded stream gives the same frames alone or batched, with or without graphs. Greedy rows
+are an argmax, as before (the codes equal transformers'). Ids ``>= codebook_size`` are
+suppressed at both levels (random weights can pick the 3 specials past the Mimi codes;
+Mimi would index out of range); id 0, the eos code, is a valid code and is kept for the
+stop rule.
 """
 
 from __future__ import annotations
@@ -56,30 +62,60 @@ class FrameResult:
     """(hidden,) the frame's backbone input embedding (sum over codebooks)."""
 
 
-def pick(
-    logits: torch.Tensor, suppress: torch.Tensor, s: Sampling, gen: torch.Generator | None
+def samples(request: FrameRequest) -> bool:
+    """Whether a stream draws noise for its frames (it samples at either level)."""
+    return request.backbone.do_sample or request.depth.do_sample
+
+
+def row_settings(requests: Sequence[FrameRequest], vocab: int) -> torch.Tensor:
+    """(B, 2, 3) float32 on the CPU: per stream and level (0: backbone, 1: depth decoder)
+    ``[greedy, temperature, top_k]``; a greedy level reads ``[1, 1, V]``, a level without
+    top-k (or with ``top_k >= V``) ``k = V`` (nothing filtered). Exact in float32 (k <= V)."""
+    rows = []
+    for r in requests:
+        levels = []
+        for s in (r.backbone, r.depth):
+            if not s.do_sample:
+                levels.append((1.0, 1.0, float(vocab)))
+            else:
+                k = s.top_k if s.top_k is not None and 0 < s.top_k < vocab else vocab
+                levels.append((0.0, float(s.temperature), float(k)))
+        rows.append(levels)
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def draw_noise(out: torch.Tensor, requests: Sequence[FrameRequest]) -> None:
+    """Fill ``out[i]`` ((num_codebooks, V) float32, on the device) with Exp(1) draws from
+    stream ``i``'s generator when it samples (the default generator when it has none); a
+    greedy stream's rows are left as they are (never read: ``choose`` takes its argmax)."""
+    for i, r in enumerate(requests):
+        if samples(r):
+            out[i].exponential_(generator=r.generator)
+
+
+def greedy(logits: torch.Tensor, suppress: torch.Tensor) -> torch.Tensor:
+    """(B,) argmax of each row of ``logits`` (B, V) with the suppressed ids masked."""
+    return logits.float().masked_fill(suppress, float("-inf")).argmax(-1)
+
+
+def choose(
+    logits: torch.Tensor, suppress: torch.Tensor, settings: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
-    """Next id per row of ``logits`` (B, V), as transformers' processors + greedy/sample do."""
+    """(B,) next id per row of ``logits`` (B, V) with per-row ``settings`` (B, 3) of
+    ``row_settings`` and ``noise`` (B, V) of ``draw_noise``: greedy rows an argmax, sampled
+    rows transformers' suppress, temperature, top-k, softmax, then the exponential race.
+    Device ops only, row by row (no host read, no row sees another's values)."""
     scores = logits.float().masked_fill(suppress, float("-inf"))
-    if not s.do_sample:
-        return scores.argmax(-1)
-    scores = scores / s.temperature
-    if s.top_k is not None and 0 < s.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, s.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-
-
-def pick_rows(
-    logits: torch.Tensor, suppress: torch.Tensor, levels: Sequence[Sampling], gens: Sequence[Any]
-) -> torch.Tensor:
-    """``pick`` for a batch whose rows each have their own settings and generator."""
-    if not any(s.do_sample for s in levels):
-        return pick(logits, suppress, GREEDY, None)
-    return torch.cat(
-        [pick(logits[i : i + 1], suppress, s, g) for i, (s, g) in enumerate(zip(levels, gens, strict=True))]
-    )
+    best = scores.argmax(-1)
+    scaled = scores / settings[:, 1:2]
+    vocab = scores.shape[-1]
+    k = settings[:, 2].long().clamp(1, vocab) - 1
+    kth = scaled.sort(dim=-1, descending=True).values.gather(-1, k[:, None])
+    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    # E = 0 would make 0 / 0 a NaN (argmax's maximum): the smallest normal float instead.
+    drawn = (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)
+    return torch.where(settings[:, 0] > 0, best, drawn)
 
 
 class FrameHead:
@@ -89,41 +125,59 @@ class FrameHead:
         self.hf = hf
         self.suppress = suppress
         self.num_codebooks = int(hf.config.num_codebooks)
+        self.vocab = int(hf.config.vocab_size)
         self.cache_keyword = cache_keyword(hf.depth_decoder)
         self.frames = 0
         """Frames made so far (all streams)."""
         self.graphs: Any = None
-        """A ``speech.depth_graphs.DepthGraphs``: depth steps of the passes it takes run there."""
+        """A ``speech.depth_graphs.DepthGraphs``: the frames of the passes it takes run there,
+        one replay each."""
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, requests: Sequence[FrameRequest]) -> list[FrameResult]:
+        n = len(requests)
+        if self.graphs is not None and self.graphs.takes(n):
+            codes, embeds = self.graphs.frame(hidden, requests)
+        else:
+            codes, embeds = self._frame(hidden, requests)
+        self.frames += n
+        return [FrameResult(row, embeds[i]) for i, row in enumerate(codes.tolist())]
+
+    def _frame(
+        self, hidden: torch.Tensor, requests: Sequence[FrameRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, num_codebooks) codes and (B, hidden) frame embeddings, without graphs."""
         from transformers import DynamicCache
 
         hf = self.hf
-        gens = [r.generator for r in requests]
         hidden = hidden.to(hf.dtype)
-        first = pick_rows(hf.lm_head(hidden), self.suppress, [r.backbone for r in requests], gens)
-        depth_levels = [r.depth for r in requests]
+        dev = hidden.device
+        settings = noise = None
+        if any(samples(r) for r in requests):  # all greedy: argmaxes only, no draws
+            settings = row_settings(requests, self.vocab).to(dev)
+            noise = torch.ones(len(requests), self.num_codebooks, self.vocab, device=dev)
+            draw_noise(noise, requests)
+
+        def pick(logits: torch.Tensor, level: int, codebook: int) -> torch.Tensor:
+            if settings is None or noise is None:
+                return greedy(logits, self.suppress)
+            return choose(logits, self.suppress, settings[:, level], noise[:, codebook])
+
+        first = pick(hf.lm_head(hidden), 0, 0)
         cache = DynamicCache(config=hf.depth_decoder.config)
         step_ids = torch.stack([torch.zeros_like(first), first], dim=-1)
         frame = [first]
-        graphs = self.graphs if self.graphs is not None and self.graphs.takes(len(requests)) else None
         for i in range(self.num_codebooks - 1):
-            if graphs is not None:
-                logits = graphs.step(i, frame[-1], hidden if i == 0 else None)
-            else:
-                out = hf.depth_decoder(
-                    input_ids=step_ids,
-                    backbone_last_hidden_state=hidden if i == 0 else None,
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **{self.cache_keyword: cache},
-                )
-                logits = out.logits[:, -1, :]
-            code = pick_rows(logits, self.suppress, depth_levels, gens)
+            out = hf.depth_decoder(
+                input_ids=step_ids,
+                backbone_last_hidden_state=hidden if i == 0 else None,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_keyword: cache},
+            )
+            code = pick(out.logits[:, -1, :], 1, i + 1)
             frame.append(code)
             step_ids = code[:, None]
         codes = torch.stack(frame, dim=-1)  # (B, num_codebooks)
         embeds = hf.backbone_model.embed_tokens(codes[:, None, :])[:, 0]  # (B, hidden)
-        self.frames += len(requests)
-        return [FrameResult([int(c) for c in row], embeds[i]) for i, row in enumerate(codes.tolist())]
+        return codes, embeds
