@@ -185,7 +185,8 @@ def run_caption_command(args: argparse.Namespace) -> int:
     print(
         f"{args.out}: {s.captioned} captioned, {s.reused} reused, {s.skipped} already done, "
         f"{s.errors} errors of {s.total} samples in {s.elapsed_s:.1f}s "
-        f"({s.failed} failed; engine idle {100 * s.idle_fraction:.1f}%)",
+        f"({s.failed} failed; engine waited for input {100 * s.input_wait_fraction:.1f}%, "
+        f"idle {100 * s.idle_fraction:.1f}%)",
         file=sys.stderr,
     )
     return 1 if s.failed else 0

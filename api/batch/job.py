@@ -84,8 +84,6 @@ async def caption_job_async(
     total = sum(len(s.names) for s in shards) if counted else None
     summary.total = summary.skipped
     clock = EngineClock()
-    bar = Progress(progress, total, summary, clock)
-    bar.advance(summary.skipped) if summary.skipped and bar.bar is not None else None
     prep = Preparer.for_model_dir(str(model.path), spec) if workers == 0 else None
     pipeline = Pipeline(
         todo,
@@ -96,6 +94,8 @@ async def caption_job_async(
         model_dir=str(model.path),
         inline_prepare=prep,
     )
+    bar = Progress(progress, total, summary, clock, input_wait=lambda: pipeline.waited_s)
+    bar.advance(summary.skipped) if summary.skipped and bar.bar is not None else None
     states = {s.id: _ShardState(s) for s in todo}
     reuse: OrderedDict[tuple[Any, ...], asyncio.Future[list[Outcome]]] = OrderedDict()
     sem = asyncio.Semaphore(concurrency)

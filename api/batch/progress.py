@@ -1,11 +1,13 @@
 """The batch job's counters and its progress bar (tqdm on stderr): samples/s, tokens/s,
-errors, ETA, and how much of the run the engine had nothing to do (no caption in flight
-while the job was not finished)."""
+errors, ETA, how much of the run the engine waited for input (``input_wait``: it had room
+for another sample and none was prepared yet) and how much it had nothing at all to do
+(``idle``: no caption in flight while the job was not finished)."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,10 @@ class JobSummary:
     @property
     def idle_fraction(self) -> float:
         return self.idle_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def input_wait_fraction(self) -> float:
+        return self.input_wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
     def failed(self) -> int:
@@ -71,8 +77,17 @@ class EngineClock:
 
 
 class Progress:
-    def __init__(self, enabled: bool, total: int | None, summary: JobSummary, clock: EngineClock):
-        self.summary, self.clock = summary, clock
+    def __init__(
+        self,
+        enabled: bool,
+        total: int | None,
+        summary: JobSummary,
+        clock: EngineClock,
+        input_wait: Callable[[], float] = lambda: 0.0,
+    ):
+        """``input_wait()``: the seconds so far the engine had a free slot and waited for a
+        prepared sample (``Pipeline.waited_s``)."""
+        self.summary, self.clock, self.input_wait = summary, clock, input_wait
         self.bar: Any = None
         self._t0 = time.perf_counter()
         if enabled:
@@ -89,6 +104,7 @@ class Progress:
             tok_s=f"{s.tokens / elapsed:.1f}",
             errors=s.errors,
             skipped=s.skipped,
+            input_wait=f"{100 * self.input_wait() / elapsed:.0f}%",
             idle=f"{100 * self.clock.idle_s / elapsed:.0f}%",
             refresh=False,
         )

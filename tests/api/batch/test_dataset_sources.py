@@ -358,3 +358,44 @@ def test_killed_run_resumes_per_format(tiny, folder, tmp_path, fmt):
     ref = tmp_path / "ref.jsonl"
     run_caption_job([str(p) for p in shards], ref, model=tiny, max_tokens=16, progress=False)
     assert _by_content(got) == _by_content(_read(ref, "jsonl"))
+
+
+class _Slow(_Quiet):
+    """Serves each file after a pause: preparation (the fetch) is slower than the engine."""
+
+    def do_GET(self):  # noqa: N802
+        time.sleep(0.5)
+        super().do_GET()
+
+
+def test_progress_bar_shows_the_engines_wait_for_input(tiny, folder, tmp_path, capsys):
+    """URLs fetched one at a time, 0.5 s each, ahead of an engine that captions in a
+    fraction of that: the job's ``input_wait_s`` holds that wait and the bar's line shows
+    it as ``input_wait=N%`` of the run."""
+    import re
+    from dataclasses import replace
+
+    names = sorted(f.name for f in folder.iterdir())[:3]  # the three images
+    handler = lambda *a, **k: _Slow(*a, directory=str(folder), **k)  # noqa: E731
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        urls = tmp_path / "list.urls"
+        urls.write_text("".join(f"http://127.0.0.1:{srv.server_address[1]}/{n}\n" for n in names))
+        capsys.readouterr()
+        s = run_caption_job(
+            [urls],
+            tmp_path / "out.jsonl",
+            model=tiny,
+            max_tokens=TOKENS,
+            url_options=replace(_url_options(), per_host=1),
+            progress=True,
+        )
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    err = capsys.readouterr().err
+    assert s.total == 3 and s.input_wait_s >= 1.2  # three fetches of 0.5 s before any sample
+    shown = [int(x) for x in re.findall(r"input_wait=(\d+)%", err)]
+    assert shown, err
+    assert shown[-1] >= 50 and abs(shown[-1] - 100 * s.input_wait_fraction) <= 25
