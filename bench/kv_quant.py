@@ -6,7 +6,10 @@ CUDA, where fp8 runs through flashinfer): ``--batch`` contexts of ``--context`` 
 token ids are prefilled, then decoded together greedily for ``--tokens`` steps (timed:
 tok/s over all contexts). Agreement: the last decode step's logits of context 0 against
 the first kv dtype's (cosine, max |err| / max |logit|) and whether the greedy tokens are
-the same. Ratios are printed against the first kv dtype listed.
+the same. Ratios are printed against the first kv dtype listed. ``bench/gpu/check.sh`` runs
+bfloat16 against fp8_e4m3 at 8 contexts x 8192 rows on the 2B checkpoint (issue 33's fp8-KV
+row; ``bench/gpu/aims.py`` reads its JSON), and in ``--dry-run`` the same comparison on the
+tiny model at 8 x 512 rows on the CPU.
 
 Checkpoint: the random Qwen3-VL-shaped ones of ``bench/quant.py`` (8 kv heads x 128,
 so 8 KiB of float32 K+V per row and layer): by default the small one (hidden 256, 2
@@ -163,6 +166,8 @@ def report(args: argparse.Namespace, kvs: list[str], path: Path) -> int:
         report = {
             "checkpoint": path.name,
             "device": args.device,
+            "device_name": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+            "torch": torch.__version__,
             "dtype": args.dtype,
             "context": args.context,
             "batch": args.batch,

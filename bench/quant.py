@@ -164,17 +164,26 @@ def run_variant(variant: str, path: Path, tokens: int, out: Path) -> None:
 def layer_rows(device: str, iters: int) -> dict[str, dict]:
     """Per 2B layer shape (q_proj 2048x2048, gate/up 6144x2048, down 2048x6144) and method:
     the kernel the layer picked on ``device`` after its first call (a CUDA kernel that raises
-    or disagrees falls back to dequantize + matmul), ms per call at 1 row (decode) and
-    256 rows (prefill), and the relative error against the float layer. Runs on CUDA in
-    bench/gpu/check.sh (the fp8-weight rows beside bfloat16); on the CPU as a rehearsal."""
-    from engine.quantization import Fp8BlockLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+    or disagrees falls back to dequantize + matmul; an unavailable one is never tried),
+    ms per call at 1 row (decode) and 256 rows (prefill), and the relative error against the
+    float layer. "fp8" is ``--quantization fp8`` (per-row W8A8, torch's row-wise scaled
+    matmul), "fp8-block" the FP8 checkpoints' layers (1x128 x 128x128 blocks). Runs on CUDA in
+    bench/gpu/check.sh (beside bfloat16: the figures behind refusing int8/int4 there and the
+    fp8 aims of bench/gpu/aims.py); on the CPU as a rehearsal."""
+    from engine.quantization import (
+        Fp8BlockLinear,
+        Fp8RowwiseLinear,
+        Int4WeightOnlyLinear,
+        Int8WeightOnlyLinear,
+    )
 
     dev = torch.device(device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     builders = {
         "int8": Int8WeightOnlyLinear,
         "int4": Int4WeightOnlyLinear,
-        "fp8": Fp8BlockLinear.from_linear,
+        "fp8": Fp8RowwiseLinear,
+        "fp8-block": Fp8BlockLinear.from_linear,
     }
 
     def timed(fn, x) -> float:
@@ -198,7 +207,7 @@ def layer_rows(device: str, iters: int) -> dict[str, dict]:
             row = {"float": {"ms_1": timed(lin, x1), "ms_256": timed(lin, x256)}}
             ref = lin(x1).float()
             for method, build_layer in builders.items():
-                layer = build_layer(lin)  # fp8 off CUDA: dequantize + matmul (bookkeeping only)
+                layer = build_layer(lin)  # fp8-block off CUDA: dequantize + matmul
                 got = layer(x1).float()
                 row[method] = {
                     "kernel": layer.kernel,
@@ -211,7 +220,7 @@ def layer_rows(device: str, iters: int) -> dict[str, dict]:
         for method, r in row.items():
             extra = f"  kernel {r['kernel']:8s} rel err {r['rel_err']:.4f}" if "kernel" in r else ""
             print(
-                f"  {method:6s} 1 row {r['ms_1']:7.3f} ms  256 rows {r['ms_256']:7.3f} ms{extra}", flush=True
+                f"  {method:9s} 1 row {r['ms_1']:7.3f} ms  256 rows {r['ms_256']:7.3f} ms{extra}", flush=True
             )
     return out
 
@@ -253,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = layer_rows(device, iters=50 if device.startswith("cuda") else 3)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"device": device, "layers": rows}, indent=2) + "\n")
+            name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+            report = {"device": device, "device_name": name, "torch": torch.__version__, "layers": rows}
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
         return 0
 
     shape = {

@@ -1,6 +1,9 @@
 """The last table of the GPU check: every aim of issue 33 that the check's outputs can
-judge, the measured figure, and whether it is met. Reads OUT_DIR/gpu_bench.json (and
-whatever else is there); writes OUT_DIR/gpu_aims.json.
+judge, the measured figure, and whether it is met. Reads OUT_DIR/gpu_bench.json, the
+quantized layers (OUT_DIR/quant_layers_cuda.json, bench/quant.py --layers-only) and fp8 KV
+vs bf16 KV (OUT_DIR/kv_quant_cuda.json, bench/kv_quant.py); in a dry run their CPU smoke
+files (quant_layers_smoke.json, kv_quant_smoke.json), whose figures are shown but not
+judged ("-": not the card, not the shape). Writes OUT_DIR/gpu_aims.json.
 
     python bench/gpu/aims.py OUT_DIR [BENCH_JSON]   (default OUT_DIR/gpu_bench.json)
 """
@@ -76,17 +79,92 @@ def aims(out_dir: Path, bench_file: Path | None = None) -> list[dict]:
     for row in table:
         row["backend"] = backend
         row["device"] = bench.get("device")
+    table += quant_aims(out_dir) + kv_aims(out_dir)
     return table
+
+
+def _load_first(out_dir: Path, *names: str) -> tuple[dict, bool]:
+    """(the first of ``names`` that exists, parsed; whether it is the CUDA one, the first)."""
+    for i, name in enumerate(names):
+        path = out_dir / name
+        if path.exists():
+            return json.loads(path.read_text()), i == 0
+    return {}, False
+
+
+def quant_aims(out_dir: Path) -> list[dict]:
+    """fp8 W8A8 reaches its kernel (no fallback) at every 2B layer shape, and beats bfloat16
+    at a decode row; int8/int4 slower than bfloat16 there (why they are refused on CUDA)."""
+    data, judged = _load_first(out_dir, "quant_layers_cuda.json", "quant_layers_smoke.json")
+    layers = data.get("layers", {})
+    device = data.get("device_name", data.get("device"))
+    rows: list[dict] = []
+
+    def add(aim: str, figure: float | None, unit: str, ok: bool | None) -> None:
+        met = ok if judged and figure is not None else None
+        rows.append({"aim": aim, "figure": figure, "unit": unit, "met": met, "device": device})
+
+    for method, label in (("fp8", "row-wise"), ("fp8-block", "1x128 x 128x128 block")):
+        got = [r[method] for r in layers.values() if method in r]
+        used = sum(r["kernel"] in ("cuda", "cpu") for r in got) if got else None
+        add(
+            f"fp8 {label} scaled_mm used at the 2B shapes (of {len(got)})",
+            used,
+            "layers",
+            None if used is None else used == len(got),
+        )
+    for method, want in (("fp8", "<= 1.0"), ("int8", "> 1.0, refused"), ("int4", "> 1.0, refused")):
+        ratios = [r[method]["ms_1"] / r["float"]["ms_1"] for r in layers.values() if method in r]
+        worst = max(ratios) if ratios else None
+        ok = None if worst is None else (worst <= 1.0 if method == "fp8" else worst > 1.0)
+        add(f"{method} ms at 1 row / bfloat16 (worst 2B shape; aim {want})", worst, "x", ok)
+    return rows
+
+
+def kv_aims(out_dir: Path) -> list[dict]:
+    """fp8 KV against bfloat16 KV at 8 contexts x 8192 rows: decode tok/s ratio, bytes per
+    row ratio, logits cosine (the first kv dtype of the run is the baseline)."""
+    data, judged = _load_first(out_dir, "kv_quant_cuda.json", "kv_quant_smoke.json")
+    kvs = data.get("rows", {})
+    base = next(iter(kvs.values()), None)
+    fp8 = next((r for k, r in kvs.items() if k.startswith("fp8")), None)
+    shape = f"{data.get('batch', '?')} x {data.get('context', '?')} rows"
+    judged = judged and data.get("batch") == 8 and data.get("context") == 8192
+    device = data.get("device_name", data.get("device"))
+    rows: list[dict] = []
+
+    def add(aim: str, figure: float | None, unit: str, ok: bool | None) -> None:
+        met = ok if judged and figure is not None else None
+        rows.append({"aim": aim, "figure": figure, "unit": unit, "met": met, "device": device})
+
+    ok = base is not None and fp8 is not None
+    tok = fp8["decode_tok_s"] / base["decode_tok_s"] if ok else None
+    add(f"fp8 KV decode tok/s / bf16 KV ({shape}; aim >= 1.0)", tok, "x", None if tok is None else tok >= 1.0)
+    size = fp8["bytes_per_row"] / base["bytes_per_row"] if ok else None
+    add(
+        f"fp8 KV bytes per row / bf16 KV ({shape}; aim <= 0.51)",
+        size,
+        "x",
+        None if size is None else size <= 0.51,
+    )
+    cos = fp8.get("cosine_vs_first") if ok else None
+    add(
+        f"fp8 KV last-step logits cosine vs bf16 KV ({shape}; aim >= 0.99)",
+        cos,
+        "",
+        None if cos is None else cos >= 0.99,
+    )
+    return rows
 
 
 def main(argv: list[str]) -> int:
     out_dir = Path(argv[1] if len(argv) > 1 else "bench/results")
     table = aims(out_dir, Path(argv[2]) if len(argv) > 2 else None)
-    print(f"\n{'aim (issue 33)':62} {'measured':>12}  met")
+    print(f"\n{'aim (issue 33)':78} {'measured':>14}  met  device")
     for row in table:
-        fig = "not measured" if row["figure"] is None else f"{row['figure']:.2f} {row['unit']}"
+        fig = "not measured" if row["figure"] is None else f"{row['figure']:.3f} {row['unit']}".strip()
         met = {True: "yes", False: "NO", None: "-"}[row["met"]]
-        print(f"{row['aim']:62} {fig:>12}  {met}")
+        print(f"{row['aim']:78} {fig:>14}  {met:4} {row.get('device') or ''}")
     (out_dir / "gpu_aims.json").write_text(json.dumps(table, indent=1) + "\n")
     return 0
 

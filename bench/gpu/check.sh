@@ -3,10 +3,12 @@
 # run the CUDA tests (flashinfer vs torch backend, bf16 and fp16), the GPU benchmark, a
 # profile of one decode pass at concurrency 32 (bench/gpu/profile_decode.py), then the speech
 # figures (bench/speech.py: 1 and 8 concurrent voices, batched vs serial vs transformers, on
-# the tiny CSM and the wide one; OUT_DIR/speech_gpu*.json).
+# the tiny CSM and the wide one; OUT_DIR/speech_gpu*.json). The bench part also runs the
+# quantized weight layers (fp8 row-wise/block scaled_mm, int8/int4 beside bfloat16) and
+# fp8 KV vs bf16 KV at 8 contexts x 8192 rows; both feed the aims table.
 # Every step's outcome and time go to OUT_DIR/gpu_check.json (the run goes on past a failed
 # step where it can); the benchmark writes OUT_DIR/gpu_bench.json and prints its table.
-#   bench/gpu/check.sh [--dry-run] [--quick] [--only tests,bench,profile,speech] [OUT_DIR]
+#   bench/gpu/check.sh [--help] [--dry-run] [--quick] [--only tests,bench,profile,speech] [OUT_DIR]
 #                                                  (default OUT_DIR: bench/results)
 # On the device tool:  run(command="bash bench/gpu/check.sh $OUT", carry=[".cache/gpu-wheels"])
 # (fetch_wheels.sh puts the converted Qwen vocabulary in that folder too). --quick, for a
@@ -16,7 +18,7 @@
 # A device command may run 10 minutes at most. Each GPU step has its own time limit
 # (GPU_TESTS_S, GPU_BENCH_S, GPU_PROFILE_S, GPU_SPEECH_S seconds; a step past it is recorded as failed and
 # the run goes on), and --only runs a part: on a warm machine the compiled kernels stay in
-# .cache/flashinfer-jit, so `--only tests` then `--only bench,profile,speech` split the work in two.
+# $FLASHINFER_WORKSPACE_BASE (/tmp/pie-media-flashinfer-jit), so `--only tests` then `--only bench,profile,speech` split the work in two.
 # --dry-run (runs anywhere): checks the scripts parse, the wheels, that the project imports
 # and the CUDA tests collect, and runs the benchmark's CPU smoke mode; then stops where a GPU
 # is needed, and says so.
@@ -29,6 +31,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1; shift ;;
     --quick) QUICK=1; ONLY="tests,bench"; shift ;;
     --only) ONLY="${2:?--only needs a list: tests,bench,profile,speech}"; shift 2 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed -E 's/^# ?//'; exit 0 ;;
     *) break ;;
   esac
 done
@@ -153,7 +156,7 @@ if torch.cuda.is_available():
 PY
 }
 run_step "project imports (versions as found)" imports || { finish broken; exit 2; }
-run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py | tail -6"
+run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py | tail -6"
 
 if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   RUN_AS_THERE=("$PY")
@@ -161,11 +164,14 @@ if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_a
   # The rehearsal steps are independent: they run side by side (each its own log, printed
   # in order after), which halves the dry run's time on two cores.
   par_step "CPU parts of the CUDA test files, as the GPU image imports them" bash -o pipefail -c \
-    "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py 2>&1 | tail -3"
+    "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py 2>&1 | tail -3"
   par_step "GPU bench smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
-  par_step "quantized weight layers smoke (CPU)" "${RUN_AS_THERE[@]}" bench/quant.py --layers-only --device cpu
-  par_step "KV-cache dtypes smoke (CPU, tiny model: float32/bf16/int8/fp8 KV)" "${RUN_AS_THERE[@]}" \
-    bench/kv_quant.py --smoke --device cpu --json "$OUT_DIR/kv_quant_smoke.json"
+  par_step "quantized weight layers smoke (CPU: int8/int4, fp8 row-wise on torch's CPU kernel)" \
+    "${RUN_AS_THERE[@]}" bench/quant.py --layers-only --device cpu --json "$OUT_DIR/quant_layers_smoke.json"
+  # The fp8-KV row of the full run (bf16 vs fp8 KV, 8 contexts), at a reduced shape: tiny model, 512 rows.
+  par_step "fp8 KV vs bf16 KV smoke (CPU, tiny model, 8 contexts x 512 rows)" "${RUN_AS_THERE[@]}" \
+    bench/kv_quant.py --smoke --device cpu --kv-dtypes bfloat16,fp8_e4m3 --batch 8 --context 512 \
+    --json "$OUT_DIR/kv_quant_smoke.json"
   par_step "decode profile smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/profile_decode.py --smoke --out "$OUT_DIR"
   par_step "speech concurrency smoke (CPU, tiny CSM)" "${RUN_AS_THERE[@]}" bench/speech.py --concurrency 1,2 \
     --frames 2 --no-http --no-single --out "$OUT_DIR/speech_smoke.json"
@@ -190,7 +196,7 @@ if wants tests; then
   run_step "flashinfer JIT compile + backend tests (compile time included)" timeout "$TESTS_S" bash -o pipefail -c \
     "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_attention_flashinfer.py -x 2>&1 | tail -15"
   run_step "CUDA test suite (flashinfer vs torch, bf16/fp16)" timeout "$TESTS_S" bash -o pipefail -c \
-    "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/speech/test_speech_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
+    "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
 fi
 if wants bench; then
   if [ "$QUICK" = 1 ]; then
@@ -201,14 +207,14 @@ if wants bench; then
     exit 0
   fi
   run_step "GPU benchmark" timeout "$BENCH_S" "$PY" bench/gpu/bench.py --checkpoint-dir "$CKPT" --out "$OUT_DIR/gpu_bench.json"
-  # fp8 / int8 / int4 weight layers at the 2B shapes beside bfloat16 (the kernel each picked,
-  # ms at 1 and 256 rows, error): the first CUDA run of engine.quantization's kernels.
-  run_step "quantized weight layers (CUDA: fp8 scaled_mm, int8/int4 pack kernels)" timeout 120 \
+  # fp8 (row-wise W8A8 and the checkpoints' 1x128 x 128x128 blocks) / int8 / int4 weight layers
+  # at the 2B shapes beside bfloat16 (the kernel each picked, ms at 1 and 256 rows, error).
+  run_step "quantized weight layers (CUDA: fp8 scaled_mm row-wise + block, int8/int4 pack kernels)" timeout 120 \
     "$PY" bench/quant.py --layers-only --json "$OUT_DIR/quant_layers_cuda.json"
   # fp8 KV beside bf16 KV (flashinfer reads the fp8 pages in place): decode tok/s of 8
   # contexts at 8k rows on the 2B checkpoint, bytes per row, logits agreement.
-  run_step "fp8 KV vs bf16 KV decode (CUDA, flashinfer)" timeout 180 "$PY" bench/kv_quant.py \
-    --checkpoint-dir "$CKPT" --kv-dtypes auto,fp8_e4m3 --context 8192 --batch 8 --json "$OUT_DIR/kv_quant_cuda.json"
+  run_step "fp8 KV vs bf16 KV decode, 8 contexts x 8192 rows (CUDA, flashinfer)" timeout 180 "$PY" bench/kv_quant.py \
+    --checkpoint-dir "$CKPT" --kv-dtypes bfloat16,fp8_e4m3 --context 8192 --batch 8 --json "$OUT_DIR/kv_quant_cuda.json"
 fi
 if wants profile; then
   # Where a decode pass's time goes at concurrency 32 (host-bound or GPU-bound: whether

@@ -190,3 +190,28 @@ def test_unavailable_reasons():
     # Shapes the block kernel cannot take fall back with the reason, whatever the device.
     assert Fp8BlockLinear.from_linear(_linear(64, 64)).kernel == "dequant"
     assert Fp8RowwiseLinear(_linear(24, 40)).kernel == "dequant"  # not multiples of 16
+
+
+# -- on a GPU (bench/gpu/check.sh runs this file with the CUDA tests) ------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 3, 32, 256])
+def test_cuda_fp8_kernels_run_where_available_and_agree(rows):
+    """On CUDA each fp8 layer keeps its scaled-matmul kernel after the first-call check
+    wherever ``fp8_matmul.unavailable`` says the device runs the recipe (row-wise: sm89+;
+    block: sm90 with cuBLASLt >= 12.9), at decode and prefill row counts (M padded inside),
+    and matches its float32 W8A8 reference."""
+    dev = torch.device("cuda")
+    lin = _linear(2048, 2048).to(dev, torch.bfloat16)
+    x = torch.randn(rows, 2048, device=dev, dtype=torch.bfloat16)
+    for layer in (Fp8RowwiseLinear(lin), Fp8BlockLinear.from_linear(lin)):
+        why = fp8_matmul.unavailable(layer.recipe, dev)
+        check_kernels(torch.nn.Sequential(layer))
+        assert layer.kernel == ("dequant" if why else "cuda"), (type(layer).__name__, why)
+        got = layer(x) - lin.bias
+        assert _rel(got, layer._reference_matmul(x)) < 1e-2, type(layer).__name__
+        assert _rel(got, F.linear(x.float(), lin.weight.float())) < 8e-2
+    if torch.cuda.get_device_capability(dev) >= (8, 9):
+        assert fp8_matmul.unavailable(fp8_matmul.ROWWISE, dev) is None
