@@ -22,6 +22,16 @@ backend with kernels for every layer's head size. Anything else runs as usual. A
 pool (``kv_dtype="fp8_e4m3"``) works: its per-layer scales are fixed floats the graphs
 hold; int8 K/V never reach here (no flashinfer backend for them).
 
+Embedding-input passes (``inputs="embeds"``, CSM's backbone: ``speech.backbone``): every
+step is one row given as its input embedding (``StepInput.embeds``, the previous frame's
+summed codebook embeddings) and wants the runner's ``BatchedHead`` on its last hidden
+state (``logits="head"``). The graph then reads a static embeddings buffer (B, hidden)
+instead of token ids and writes the final hidden states into a static buffer (no LM head);
+after the replay the runner's head runs on the pass's rows of it (CSM: the frame head,
+itself replayed from ``speech.depth_graphs``). Padding rows embed whatever the buffer holds
+and, as above, touch only the scratch page. Graphs of one kind take passes of that kind
+only; anything else runs as usual.
+
 ``capture=False`` runs the same static-buffer function eagerly instead of replaying a
 graph: everything but the capture itself, which is how it is tested without a GPU (with a
 stand-in flashinfer that reads the fixed buffers as the kernels do). Why by hand: vLLM and
@@ -32,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -104,7 +114,20 @@ class _BucketAttention:
 class DecodeGraphs:
     """Replays one-token decode passes from CUDA graphs (see the module doc)."""
 
-    def __init__(self, runner: ForwardRunner, *, max_batch: int = 64, capture: bool | None = None):
+    def __init__(
+        self,
+        runner: ForwardRunner,
+        *,
+        max_batch: int = 64,
+        capture: bool | None = None,
+        inputs: Literal["ids", "embeds"] = "ids",
+    ):
+        """``inputs``: "ids", one-token passes by token id into logits; "embeds", passes of
+        one embedding row per step into the runner's head (see the module doc)."""
+        if inputs not in ("ids", "embeds"):
+            raise ValueError(f"inputs must be 'ids' or 'embeds', got {inputs!r}")
+        if inputs == "embeds" and runner.head is None:
+            raise ValueError("embedding-input graphs hand their hidden states to a head; the runner has none")
         backend = runner.backend
         if not isinstance(backend, FlashInferBackend):
             raise ValueError("CUDA-graph decode needs the flashinfer attention backend")
@@ -131,6 +154,16 @@ class DecodeGraphs:
         )
         self.logits = torch.zeros(max_batch, self.arch.vocab_size, dtype=torch.float32, device=dev)
         self._no_rows = torch.empty(0, dtype=torch.long, device=dev)
+        self.inputs = inputs
+        self.embeds: torch.Tensor | None = None
+        """With ``inputs="embeds"``: (max_batch, hidden) input embeddings of a pass."""
+        self.hidden: torch.Tensor | None = None
+        """With ``inputs="embeds"``: (max_batch, hidden) final hidden states of a pass."""
+        if inputs == "embeds":
+            dtype = getattr(self.arch.hf, "dtype", torch.float32)
+            self.embeds = torch.zeros(max_batch, self.arch.hidden_size, dtype=dtype, device=dev)
+            self.hidden = torch.zeros(max_batch, self.arch.hidden_size, dtype=dtype, device=dev)
+            self._all_rows = torch.arange(max_batch, device=dev)
         self._attention: dict[int, _BucketAttention] = {}
         self._buffers: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._graphs: dict[int, Any] = {}
@@ -143,7 +176,7 @@ class DecodeGraphs:
 
     def __repr__(self) -> str:
         return (
-            f"DecodeGraphs(buckets={self.buckets}, captured={sorted(self._graphs)}, "
+            f"DecodeGraphs(buckets={self.buckets}, inputs={self.inputs}, captured={sorted(self._graphs)}, "
             f"replays={self.replays}, capture={self.capture})"
         )
 
@@ -153,6 +186,21 @@ class DecodeGraphs:
         prefix) are listed once per context, so the pass's page list can outgrow the
         fixed index buffers (one pool's worth): such a pass runs as usual."""
         ps = self.page_size
+        if self.inputs == "embeds":
+            return (
+                0 < len(steps) <= self.max_batch
+                and all(
+                    len(s.tokens) == 1
+                    and s.logits == "head"
+                    and s.embeds is not None
+                    and s.embeds.shape[0] == 1
+                    and not s.media
+                    and s.block_ids is None
+                    and not s.adapters
+                    for s in steps
+                )
+                and sum(-(-(s.kv_start + 1) // ps) for s in steps) + self.max_batch <= self.pool.num_pages
+            )
         return (
             0 < len(steps) <= self.max_batch
             and all(
@@ -208,8 +256,9 @@ class DecodeGraphs:
                     self._forward(bucket)
 
     # -- a pass -------------------------------------------------------------------------------
-    def run(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
-        """(V,) float32 logits per step, as ``ForwardRunner.run`` gives for "last"."""
+    def run(self, steps: Sequence[StepInput]) -> list[Any]:
+        """(V,) float32 logits per step, as ``ForwardRunner.run`` gives for "last"; with
+        ``inputs="embeds"``, the runner's head's result per step, as for "head"."""
         n = len(steps)
         bucket = next(b for b in self.buckets if b >= n)
         ps = self.page_size
@@ -243,6 +292,8 @@ class DecodeGraphs:
             self.ids[:bucket].copy_(ids_d)
             self.positions[:, :bucket].copy_(pos_d.view(positions.shape))
             self.slots[:bucket].copy_(slots_d)
+            if self.embeds is not None:
+                self.embeds[:n].copy_(torch.cat([s.embeds for s in steps]))  # type: ignore[misc]
             attention = self._attention.get(bucket)
             if attention is None:
                 attention = self._attention[bucket] = _BucketAttention(self, bucket)
@@ -254,6 +305,13 @@ class DecodeGraphs:
                 graph.replay()
             else:
                 self._forward(bucket)
+            if self.hidden is not None:
+                assert self.runner.head is not None
+                results = self.runner.head.run(self.hidden[:n], [s.head for s in steps])
+                self.replays += 1
+                self.runner.passes += 1
+                self.runner.rows_computed += n
+                return list(results)
             out = self.logits[:n].clone()
             if self.runner.batch_argmax:
                 for step, best in zip(steps, out.argmax(dim=-1).tolist(), strict=True):
@@ -267,8 +325,8 @@ class DecodeGraphs:
         inp = TextInputs(
             ids=self.ids[:bucket],
             positions=self.positions[:, :bucket],
-            media_rows=self._no_rows,
-            media_embeds=None,
+            media_rows=self._no_rows if self.embeds is None else self._all_rows[:bucket],
+            media_embeds=None if self.embeds is None else self.embeds[:bucket],
             deepstack=None,
         )
         meta = BatchMeta(
@@ -278,6 +336,9 @@ class DecodeGraphs:
             backend=self._attention[bucket],  # type: ignore[arg-type]
         )
         hidden = self.arch.hidden_states(inp, pie_batch=meta)
+        if self.hidden is not None:
+            self.hidden[:bucket].copy_(hidden)
+            return
         self.logits[:bucket].copy_(self.arch.logits(hidden).float())
 
     def _capture(self, bucket: int) -> Any:

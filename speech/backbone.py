@@ -6,15 +6,25 @@ their codebooks' ``embed_audio_tokens`` (``CsmBackboneModelEmbeddings``). Speech
 therefore carry their rows' embeddings (``StepInput.embeds``); the runner places them like
 media rows and this class hands them to transformers' ``CsmBackboneModel`` with explicit
 positions and the engine's paged attention. The layer math is transformers' own.
+
+``backbone_graphs``: the frame passes (every step one embedding row wanting the frame head)
+replayed from CUDA graphs, by ``engine.decode_graphs.DecodeGraphs(inputs="embeds")``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine import Architecture, TextInputs
+
+if TYPE_CHECKING:
+    from engine import ForwardRunner
+    from engine.decode_graphs import DecodeGraphs
+
+log = logging.getLogger(__name__)
 
 CSM_ARCHITECTURE = "CsmForConditionalGeneration"
 
@@ -57,3 +67,21 @@ class CsmBackbone(Architecture):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(hidden)
+
+
+def backbone_graphs(runner: ForwardRunner, max_batch: int, *, capture: bool) -> DecodeGraphs | None:
+    """Graphs for the backbone's frame passes of up to ``max_batch`` streams, every bucket
+    captured (``capture=False``: run through the buffers) before the first request; None,
+    with the reason logged, where the engine's graphs cannot run this model: they attend
+    with flashinfer (CUDA, float16/bfloat16) and its kernels' head sizes (64, 128, 256), so
+    e.g. a float32 model or the tiny fixture's 16-wide heads keep eager backbone passes
+    (the frame head's graphs, ``speech.depth_graphs``, need neither)."""
+    from engine.decode_graphs import DecodeGraphs
+
+    try:
+        graphs = DecodeGraphs(runner, max_batch=max_batch, capture=capture, inputs="embeds")
+    except ValueError as e:
+        log.info("speech backbone passes run without CUDA graphs: %s", e)
+        return None
+    graphs.warm()
+    return graphs
