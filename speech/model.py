@@ -38,8 +38,13 @@ dequantiser would index out of range. They are masked in BOTH the backbone head 
 decoder. Id 0 (the eos code) is a valid Mimi code and is NOT suppressed: the stop rule needs it.
 Trained checkpoints never emit the specials, so this changes nothing for them.
 
-Capacity (``speech.admission``): at most ``max_streams`` requests run at once, each with the pages
-it can ever need promised; ``admit(wait=False)`` refuses past that (HTTP 429), the blocking calls wait.
+Capacity (``speech.admission``): a request runs with the pages it can ever need promised, and, with
+``realtime_safety`` set (a server's default), only if the frame time measured at the resulting batch
+size (``speech.frame_timing``: every pass of frame steps is timed; ``load`` seeds the table with a
+short warm-up) keeps every stream at or above real time; ``max_streams`` is an optional cap
+("auto": none).
+``admit(wait=False)`` refuses past any bound (HTTP 429), the blocking calls wait. Each stream's
+real-time margin (audio seconds per wall second) is kept by ``pace`` for /metrics.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ from speech.errors import (
     UnsupportedVoiceError,
 )
 from speech.frame_head import GREEDY, FrameHead, FrameRequest, Sampling
+from speech.frame_timing import WARM_UP_MAX_BATCH, FrameTiming, StreamPace, TimedRunner, warm_up
 from speech.frames import frames as run_frames
 from speech.frames import is_end_frame
 from speech.job import SpeechJob, audio_identity, prompt_rows
@@ -106,8 +112,10 @@ DEFAULT_MAX_DURATION = 90.0
 DEFAULT_CHUNK_FRAMES = 2
 DEFAULT_CONTEXT_FRAMES = 64
 FALLBACK_TOP_K = 50  # transformers' top_k default when sampling
-DEFAULT_MAX_STREAMS = 16
+DEFAULT_MAX_STREAMS = "auto"
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+TYPICAL_PROMPT_ROWS = 64
+"""Prompt rows of a typical request, for counting how many fit in the pages (``headroom``)."""
 DEFAULT_CUDA_KV_FRACTION = 0.25
 
 __all__ = ["SpeechModel", "audio_cutoff", "is_end_frame"]
@@ -147,8 +155,9 @@ class SpeechModel:
         generation_config: Any,
         pool: KVPool,
         attention: Any,
-        max_streams: int = DEFAULT_MAX_STREAMS,
+        max_streams: int | str | None = DEFAULT_MAX_STREAMS,
         max_prefill_rows: int = 2048,
+        realtime_safety: float | None = None,
     ):
         self.path = path
         self.config = config
@@ -177,12 +186,19 @@ class SpeechModel:
         self.runner = ForwardRunner(self.arch, pool, device=self.device, backend=attention)
         self.runner.head = self.head
         self.attention_backend: str = getattr(attention, "name", "torch")
-        self.scheduler = Scheduler(self.runner)
+        self.timing = FrameTiming(1.0 / self.frame_rate)
+        """Measured seconds of a frame pass per batch size (admission's real-time rule)."""
+        self.scheduler = Scheduler(TimedRunner(self.runner, self.timing))
         self.capacity = SpeechCapacity(
             num_pages=pool.num_pages,
             page_size=pool.page_size,
-            max_streams=check_int("max_streams", max_streams, min=1),
+            max_streams=_max_streams(max_streams),
+            timing=self.timing,
+            safety=_safety(realtime_safety),
+            stream_rows=min(self.max_positions, TYPICAL_PROMPT_ROWS + self.max_frames(None)),
         )
+        self.pace = StreamPace(self.timing.frame_seconds)
+        """Real-time margin of each stream (audio seconds per wall second), for /metrics."""
         self.stats = SpeechStats()
         self.quantization: str | None = None
         """The weight quantization ``load`` applied ("int8" / "int4"), None: ``dtype`` weights."""
@@ -204,7 +220,9 @@ class SpeechModel:
         kv_pages: int | None = None,
         kv_memory: int | None = None,
         page_size: int = 32,
-        max_streams: int = DEFAULT_MAX_STREAMS,
+        max_streams: int | str | None = DEFAULT_MAX_STREAMS,
+        realtime_safety: float | None = None,
+        warm_up_frames: bool = True,
         attention: str = "auto",
         cuda_graphs: int = 0,
         quantization: str | None = None,
@@ -214,8 +232,13 @@ class SpeechModel:
         checkpoint loader; ``NoSpeechHeadError`` for a checkpoint of another architecture).
         device: default CUDA when available, else CPU. kv_pages / kv_memory: the backbone's page
         pool (default 256 MiB on the CPU, a quarter of the free GPU memory on CUDA). max_streams:
-        requests generating at once. attention: as ``engine.Model.load``. cuda_graphs: replay the
-        depth decoder's steps for passes of up to this many streams from CUDA graphs
+        a cap on requests generating at once ("auto", the default: none; pages and measured frame
+        times bound them, ``speech.admission``). realtime_safety: a new stream is admitted only if
+        the predicted frame time stays within this share of a frame's audio length (None, the
+        default: no real-time rule, batches as big as the pages allow; a server passes 0.8).
+        warm_up_frames: with the real-time rule on, seed the frame-time table with a few real
+        passes at load (``speech.frame_timing.warm_up``; off: the first requests' passes do).
+        attention: as ``engine.Model.load``. cuda_graphs: replay the depth decoder's steps for passes of up to this many streams from CUDA graphs
         (``speech.depth_graphs``; 0, the default: off; CUDA only). quantization: "int8" /
         "int4" weight-only layers of ``engine.quantization`` for the backbone, its codebook-0
         head and the depth decoder's layers (embeddings, the depth decoder's per-codebook
@@ -264,6 +287,7 @@ class SpeechModel:
             pool=pool,
             attention=backend,
             max_streams=max_streams,
+            realtime_safety=realtime_safety,
         )
         model.quantization = quantization
         if cuda_graphs:
@@ -271,6 +295,11 @@ class SpeechModel:
 
             model.head.graphs = DepthGraphs(hf, cuda_graphs, capture=True)
             model.head.graphs.warm()  # every step of every bucket captured before the first request
+        if warm_up_frames and realtime_safety is not None:
+            cap = model.capacity.max_streams or WARM_UP_MAX_BATCH
+            warm_up(
+                model, max_batch=min(cap, WARM_UP_MAX_BATCH), budget_seconds=model.capacity.budget_seconds
+            )
         return model
 
     @property
@@ -474,9 +503,14 @@ class SpeechModel:
     async def frames_async(self, job: SpeechJob) -> AsyncIterator[list[int]]:
         """The frames of an admitted ``job`` (``speech.frames``)."""
         self.stats.requests += 1
-        async with aclosing(run_frames(self, job)) as frames:  # closing this closes that: pages back
-            async for codes in frames:
-                yield codes
+        clock = self.pace.start()
+        try:
+            async with aclosing(run_frames(self, job)) as frames:  # closing this closes that: pages back
+                async for codes in frames:
+                    clock.frame()
+                    yield codes
+        finally:
+            clock.close()
 
     @torch.no_grad()
     def decode(self, codes: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -699,6 +733,21 @@ def _quantize(
     codebook step, so they are most of its bytes (CSM-1B: 31 x 0.44 GB of 18 GB in float32)."""
     quantize_modules(hf.depth_decoder.model, method, prefix="depth_decoder.model")
     quantize_at_load(hf, hf.backbone_model, path, config, method, device=device, dtype=dtype)
+
+
+def _safety(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return check_number("realtime_safety", value, min=0, max=1, min_open=True)
+
+
+def _max_streams(value: int | str | None) -> int | None:
+    """``max_streams`` as a cap (None: "auto", no cap beyond pages and real time)."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return check_int("max_streams", value, min=1)
 
 
 def _default_kv_bytes(device: torch.device) -> int:
