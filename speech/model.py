@@ -239,7 +239,9 @@ class SpeechModel:
         warm_up_frames: with the real-time rule on, seed the frame-time table with a few real
         passes at load (``speech.frame_timing.warm_up``; off: the first requests' passes do).
         attention: as ``engine.Model.load``. cuda_graphs: replay the depth decoder's steps for passes of up to this many streams from CUDA graphs
-        (``speech.depth_graphs``; 0, the default: off; CUDA only). quantization: "int8" /
+        (``speech.depth_graphs``: a whole frame per replay), and the backbone's frame passes too
+        where the engine's graphs run the model (``speech.backbone.backbone_graphs``: flashinfer,
+        float16/bfloat16; 0, the default: off; CUDA only). quantization: "int8" /
         "int4" weight-only layers of ``engine.quantization`` for the backbone, its codebook-0
         head and the depth decoder's layers (embeddings, the depth decoder's per-codebook
         heads and Mimi stay in ``dtype``); ``QuantizationUnavailableError`` for a method the
@@ -291,10 +293,14 @@ class SpeechModel:
         )
         model.quantization = quantization
         if cuda_graphs:
+            from speech.backbone import backbone_graphs
             from speech.depth_graphs import DepthGraphs
 
-            model.head.graphs = DepthGraphs(hf, cuda_graphs, capture=True)
-            model.head.graphs.warm()  # every step of every bucket captured before the first request
+            model.head.graphs = DepthGraphs(hf, cuda_graphs, capture=True, suppress=model.suppress)
+            model.head.graphs.warm()  # every bucket's frame captured before the first request
+            model.runner.graphs = backbone_graphs(model.runner, cuda_graphs, capture=True)
+            if model.runner.graphs is not None:
+                model.capacity.num_pages -= 1  # the graphs' scratch page is no request's
         if warm_up_frames and realtime_safety is not None:
             cap = model.capacity.max_streams or WARM_UP_MAX_BATCH
             warm_up(
