@@ -62,9 +62,10 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
     ``architectures[0]`` of its config.json: ``CsmForConditionalGeneration`` gives a
     ``speech.SpeechModel``, anything else ``engine.Model.load(dir, **kwargs)``.
 
-    ``kwargs`` are ``Model.load``'s options plus ``max_speech_streams``. A speech model takes
-    ``device``, ``dtype``, ``attention``, ``kv_pages``, ``cuda_graphs``, ``quantization`` (int8 /
-    int4 weights, ``SpeechModel.load``) and ``max_speech_streams`` and ignores the rest (prefill
+    ``kwargs`` are ``Model.load``'s options plus ``max_speech_streams`` and
+    ``speech_realtime_safety``. A speech model takes ``device``, ``dtype``, ``attention``,
+    ``kv_pages``, ``cuda_graphs``, ``quantization`` (int8 / int4 weights, ``SpeechModel.load``)
+    and those two (``max_streams``, ``realtime_safety``) and ignores the rest (prefill
     and graph options of the text engine), so one set of options can load any model; a name
     ``Model.load`` does not know is a ``TypeError``."""
     import inspect
@@ -74,6 +75,7 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
 
     path = resolve_model_dir(ref)
     max_speech_streams = kwargs.pop("max_speech_streams", None)
+    realtime_safety = kwargs.pop("speech_realtime_safety", None)
     if architecture_name(read_config(path)) != CSM_ARCHITECTURE:
         from media import warm_kernels
 
@@ -90,4 +92,6 @@ def load_model(ref: str | os.PathLike[str], **kwargs: Any) -> Model | SpeechMode
     }
     if max_speech_streams is not None:
         speech_options["max_streams"] = max_speech_streams
+    if realtime_safety is not None:
+        speech_options["realtime_safety"] = realtime_safety
     return SpeechModel.load(path, **speech_options)

@@ -141,10 +141,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     sv.add_argument(
         "--max-speech-streams",
-        type=int,
         default=None,
-        metavar="N",
-        help="speech requests a CSM model generates at once, batched (default 16); past it: 429",
+        metavar="N|auto",
+        help="a cap on speech requests a CSM model generates at once, batched (default auto: its "
+        "KV pages and measured frame time decide); past it: 429",
+    )
+    sv.add_argument(
+        "--speech-realtime-safety",
+        type=float,
+        default=None,
+        metavar="F",
+        help="admit a speech stream only if the measured frame time at the new batch size stays "
+        "within F x a frame's audio length (default 0.8), so every stream keeps real time; else 429",
     )
     sv.add_argument(
         "--cuda-graphs",
@@ -232,6 +240,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graphs": args.cuda_graphs,
         "max_speech_streams": args.max_speech_streams,
+        "speech_realtime_safety": getattr(args, "speech_realtime_safety", None),
         "max_model_len": args.max_model_len,
         "encoder_cache_mib": args.encoder_cache_mib,
         "prepared_cache_mib": args.prepared_cache_mib,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from api.http.registry import ModelRegistry
@@ -61,11 +61,13 @@ class _EngineCollector(Collector):
             "grammar's forced tokens) and those accepted",
             labels=["model", "result"],
         )
+        speech = _SpeechFamilies()
         for served in self.models:
             in_flight.add_metric([served.name], served.in_flight)
             capacity.add_metric([served.name], served.max_concurrency)
             if served.kind == "speech":
                 _speech_state(served, pages, contexts, passes, steps, engine_tokens)
+                speech.add(served)
                 continue
             if served.kind != "chat":
                 continue
@@ -91,6 +93,7 @@ class _EngineCollector(Collector):
             drafts.add_metric([served.name, "accepted"], m.accepted_draft_tokens)
         yield from (in_flight, capacity, pages, contexts, kv_rows, cache, cache_bytes, passes, steps)
         yield from (engine_tokens, drafts)
+        yield from speech.families()
 
 
 class _ServerStateCollector(Collector):
@@ -142,6 +145,111 @@ def _speech_state(served: Any, pages: Any, contexts: Any, passes: Any, steps: An
     tokens.add_metric([served.name, "prompt"], model.stats.prompt_rows)
     tokens.add_metric([served.name, "prompt_reused"], model.stats.reused_rows)
     tokens.add_metric([served.name, "generated"], model.stats.frames)
+
+
+class _SpeechFamilies:
+    """A speech model's admission and real-time state (``speech.admission``,
+    ``speech.frame_timing``): what fits and why, admissions by result and bound, the
+    measured frame time per batch size, and each stream's real-time margin (audio seconds
+    generated per wall second; below 1 a listener hears gaps)."""
+
+    def __init__(self) -> None:
+        self.served = False
+        self.fit = GaugeMetricFamily(
+            "pie_media_speech_streams_fit",
+            "Speech streams that fit at once now, by the bound that sets it (pages, time, max_streams)",
+            labels=["model", "bound"],
+        )
+        self.admitted = CounterMetricFamily(
+            "pie_media_speech_admitted", "Speech streams admitted", labels=["model"]
+        )
+        self.refused = CounterMetricFamily(
+            "pie_media_speech_refused",
+            "Speech streams refused (429, or a blocking wait that timed out), by the bound met: "
+            "pages, time (would fall behind real time), max_streams",
+            labels=["model", "reason"],
+        )
+        self.waited = CounterMetricFamily(
+            "pie_media_speech_waited",
+            "Blocking speech requests that waited for a slot, by the bound they first met",
+            labels=["model", "reason"],
+        )
+        self.frame_seconds = GaugeMetricFamily(
+            "pie_media_speech_frame_pass_seconds",
+            "Measured wall time of a frame pass (one frame for every stream in it), by batch size",
+            labels=["model", "batch"],
+        )
+        self.frame_audio = GaugeMetricFamily(
+            "pie_media_speech_frame_audio_seconds", "Audio length of one frame", labels=["model"]
+        )
+        self.predicted = GaugeMetricFamily(
+            "pie_media_speech_predicted_realtime_margin",
+            "Frame audio length over the frame pass time predicted at the running batch size "
+            "(>= 1: every running stream keeps real time)",
+            labels=["model"],
+        )
+        self.running = GaugeMetricFamily(
+            "pie_media_speech_stream_realtime_margin",
+            "Real-time margin of the running streams (audio s generated per wall s since the "
+            "stream's first frame): the slowest and the mean",
+            labels=["model", "stat"],
+        )
+        self.behind = GaugeMetricFamily(
+            "pie_media_speech_streams_behind_realtime",
+            "Running speech streams generating slower than real time",
+            labels=["model"],
+        )
+        self.finished = HistogramMetricFamily(
+            "pie_media_speech_realtime_margin",
+            "Real-time margin of each finished speech stream (audio s generated per wall s)",
+            labels=["model"],
+        )
+
+    def add(self, served: Any) -> None:
+        model, name = served.model, served.name
+        capacity = model.capacity
+        headroom = capacity.headroom()
+        self.fit.add_metric([name, headroom.bound], headroom.fit)
+        self.served = True
+        self.admitted.add_metric([name], capacity.admitted)
+        for reason, n in capacity.refused.items():
+            self.refused.add_metric([name, reason], n)
+        for reason, n in capacity.waited.items():
+            self.waited.add_metric([name, reason], n)
+        timing = model.timing
+        self.frame_audio.add_metric([name], timing.frame_seconds)
+        for batch, (seconds, _) in timing.table().items():
+            self.frame_seconds.add_metric([name, str(batch)], seconds)
+        predicted = timing.predict(max(1, capacity.streams))
+        if predicted:
+            self.predicted.add_metric([name], timing.frame_seconds / predicted)
+        margins = model.pace.running_margins()
+        if margins:
+            self.running.add_metric([name, "min"], min(margins))
+            self.running.add_metric([name, "mean"], sum(margins) / len(margins))
+        self.behind.add_metric([name], sum(m < 1.0 for m in margins))
+        hist = model.pace.finished
+        cumulative, buckets = 0, []
+        for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        self.finished.add_metric([name], buckets, sum_value=hist.total)
+
+    def families(self) -> tuple[Any, ...]:
+        if not self.served:
+            return ()
+        return (
+            self.fit,
+            self.admitted,
+            self.refused,
+            self.waited,
+            self.frame_seconds,
+            self.frame_audio,
+            self.predicted,
+            self.running,
+            self.behind,
+            self.finished,
+        )
 
 
 class ServiceMetrics:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -152,9 +152,14 @@ class ServeSettings(BaseSettings):
     sends the same bytes with every request decodes them once; 0: none kept."""
     cuda_graphs: int = Field(default=0, ge=0)
     """Replay decode passes of up to this many contexts from CUDA graphs (0: off)."""
-    max_speech_streams: int = Field(default=16, ge=1)
-    """Speech requests one CSM model generates at once (batched); past it (or past its KV
-    pages) the speech endpoint answers 429."""
+    max_speech_streams: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
+    """A cap on speech requests one CSM model generates at once (batched); "auto": none
+    beyond its KV pages and, with ``speech_realtime_safety``, its measured frame time. Past
+    any bound the speech endpoint answers 429 (``speech.admission``)."""
+    speech_realtime_safety: float | None = Field(default=0.8, gt=0, le=1)
+    """A speech stream is admitted only if the frame time measured at the resulting batch
+    size stays within this share of a frame's audio length (CSM: 80 ms), so every stream
+    keeps real time; None: no such rule."""
     max_inferlet_bytes: int = Field(default=64 << 20, ge=1)
     """Size of one uploaded inferlet component."""
     inferlet_cache_dir: Path | None = None
@@ -230,6 +235,7 @@ class ServeSettings(BaseSettings):
         if self.max_model_len is not None:
             out["max_model_len"] = self.max_model_len
         out["max_speech_streams"] = self.max_speech_streams
+        out["speech_realtime_safety"] = self.speech_realtime_safety
         from encoders import EncoderCache
 
         out["encoder_cache"] = EncoderCache(  # one per call: each model its own budget

@@ -3,8 +3,11 @@
 Speech requests run on the speech model's engine, on the server's event loop: every
 request's frames share batched passes with the others' (``speech.frames``). The request is
 checked and its prompt embedded off the loop, then admitted twice at once, before any byte
-is sent: the served model's concurrency limit and the speech model's own capacity (streams
-and KV pages, ``speech.admission``); past either the answer is 429 with Retry-After.
+is sent: the served model's concurrency limit and the speech model's own capacity (KV
+pages, the measured frame time at the new batch size against real time, an optional stream
+cap: ``speech.admission``); past either the answer is 429 with Retry-After, and the error's
+``reason`` names the bound ("pages", "time", "max_streams"). /metrics shows each stream's
+real-time margin and the admissions by bound (``api.http.metrics``).
 
 ``stream_format="audio"`` (the default) streams ``mp3``/``opus``/``aac``/``pcm`` in chunks as
 frames are generated (chunked transfer); ``wav`` and ``flac`` are sent whole, once the clip is

@@ -13,7 +13,13 @@ from api.http.settings import ServeSettings
 def test_auto_dtype_follows_the_device() -> None:
     cpu = ServeSettings(device="cpu").model_load_options()
     cpu.pop("encoder_cache")
-    assert cpu == {"device": "cpu", "dtype": torch.float32, "attention": "auto", "max_speech_streams": 16}
+    assert cpu == {
+        "device": "cpu",
+        "dtype": torch.float32,
+        "attention": "auto",
+        "max_speech_streams": "auto",
+        "speech_realtime_safety": 0.8,
+    }
     cuda = ServeSettings(device="cuda:1", attention="flashinfer").model_load_options()
     assert cuda["dtype"] is torch.bfloat16 and cuda["device"] == "cuda:1"
     assert ServeSettings().model_load_options()["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -32,7 +38,7 @@ def test_max_model_len_reaches_chat_models_only() -> None:
 
     opts = ServeSettings(device="cpu", max_model_len=512).model_load_options()
     assert load_model("tiny", **opts).max_model_len == 512
-    assert load_model("tiny-csm", **opts).capacity.max_streams == 16  # speech ignores it
+    assert load_model("tiny-csm", **opts).capacity.max_streams is None  # speech ignores it (auto)
 
 
 def test_explicit_options_pass_through() -> None:
