@@ -1,9 +1,11 @@
 """The Ray Data pipeline on a local Ray (2 engine actors, tiny model) writes the same
-records as the single-process job, errors included; a rerun skips what is done."""
+records as the single-process job, errors included; a rerun skips what is done. A Ray
+worker SIGKILLed mid-shard costs nothing: the shard is redone, nothing written twice."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -83,12 +85,46 @@ def _wds_shard(path: Path, members: list[tuple[str, bytes]]) -> str:
     return str(path)
 
 
+def _kill_hook(marker: str, marker_key: str):
+    """The setup hook: built here, so pickled by value into the Ray workers."""
+
+    def install() -> None:
+        import os as _os
+        import signal
+
+        import api.batch.item_records as item_records_mod
+
+        records = item_records_mod.item_records
+
+        async def killing_records(item, spec, settings, outcomes):  # type: ignore[no-untyped-def]
+            if item.key == marker_key:
+                try:
+                    fd = _os.open(marker, _os.O_CREAT | _os.O_EXCL | _os.O_WRONLY)
+                except FileExistsError:  # killed once already: this is the retry
+                    return await records(item, spec, settings, outcomes)
+                _os.write(fd, str(_os.getpid()).encode())
+                _os.close(fd)
+                _os.kill(_os.getpid(), signal.SIGKILL)
+            return await records(item, spec, settings, outcomes)
+
+        item_records_mod.item_records = killing_records
+
+    return install
+
+
 def test_ray_shards_equal_single_process_and_resume_without_duplicates(tmp_path: Path, samples: Path) -> None:
     """WebDataset tars through ray.data.read_webdataset, a Parquet file with a key column
     through ray.data.read_parquet, a tar cut off mid-member through the package's own
     reader: the records equal the single-process job's. The output already holds a killed
     run's part (one shard whole, one record of another): nothing is written twice, and a
-    rerun skips every shard by the ledger."""
+    rerun skips every shard by the ledger.
+
+    On top of that, the run's engine worker is SIGKILLed mid-shard: Ray Data fuses
+    ``Map(prepare_wds_row)->MapBatches(CaptionItems)`` into the engine actor's tasks, and
+    the actor's process kills itself (a ``worker_process_setup_hook`` of this test's Ray
+    session, ``_kill_hook``) when it reaches sample ``k4`` of shard ``b``, the batch
+    (of two) after ``k3``'s. Ray restarts the actor and runs the lost task again: the
+    records are still complete and once each."""
     import tarfile
 
     import pyarrow as pa
@@ -129,7 +165,26 @@ def test_ray_shards_equal_single_process_and_resume_without_duplicates(tmp_path:
     out = tmp_path / "ray.jsonl"  # a killed run's output: shard a whole, one record of b
     killed = [r for r in want if r["shard"] == a] + [r for r in want if r["shard"] == b][:1]
     out.write_text("".join(json.dumps(r) + "\n" for r in killed))
-    summary = caption_with_ray(inputs, out, model="tiny", max_tokens=8, replicas=1)
+    import psutil
+    import ray
+
+    from api.batch.ray_runner import _init_ray
+
+    marker = tmp_path / "killed.pid"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": _kill_hook(str(marker), "k4")},
+    )
+    try:
+        assert _init_ray(None, 1) is ray  # caption_with_ray takes this session (and shuts it down)
+        summary = caption_with_ray(inputs, out, model="tiny", max_tokens=8, replicas=1, batch_size=2)
+    finally:
+        ray.shutdown()
+    pid = int(marker.read_text())  # the kill happened, and its process is gone
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(got) == len({key(r) for r in got}) == len(want)  # nothing twice, nothing lost
     strip = lambda r: {k: v for k, v in r.items() if k != "elapsed_s"}  # noqa: E731
