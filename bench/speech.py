@@ -163,12 +163,23 @@ class Side:
         from speech import SpeechModel
 
         self.checkpoint = checkpoint
-        load: dict[str, Any] = {"cuda_graphs": cuda_graphs} if cuda_graphs else {}
+        # On the CPU, --cuda-graphs rehearses the frame-head graphs (capture=False: the same
+        # static-buffer frame run eagerly; there is nothing to capture without CUDA).
+        rehearse = bool(cuda_graphs) and torch.device(device).type != "cuda"
+        load: dict[str, Any] = {"cuda_graphs": cuda_graphs} if cuda_graphs and not rehearse else {}
         if quantization:
             load["quantization"] = quantization
         self.quantization = quantization
         self.ours = SpeechModel.load(checkpoint, device=device, dtype=dtype, **load)
+        if rehearse:
+            from speech.depth_graphs import DepthGraphs
+
+            self.ours.head.graphs = DepthGraphs(
+                self.ours.hf, cuda_graphs, capture=False, suppress=self.ours.suppress
+            )
+            self.ours.head.graphs.warm()
         self.cuda_graphs = getattr(self.ours.head, "graphs", None) is not None
+        self.backbone_graphs = getattr(self.ours.runner, "graphs", None) is not None
         # On the CPU both sides map the same float32 file: its pages are shared, not held twice.
         self.ref = (
             CsmForConditionalGeneration.from_pretrained(self.ours.path, dtype=dtype)
@@ -188,7 +199,8 @@ class Side:
             "parameters_m": round(sum(p.numel() for p in self.ours.hf.parameters()) / 1e6, 2),
             "dtype": str(self.ours.dtype).removeprefix("torch."),
             "quantization": self.quantization,
-            "depth_decoder_cuda_graphs": self.cuda_graphs,
+            "depth_decoder_cuda_graphs": self.cuda_graphs,  # the whole frame head, one replay a pass
+            "backbone_cuda_graphs": self.backbone_graphs,  # flashinfer models only (speech.backbone)
         }
 
     def ref_inputs(self, text: str, speaker: int) -> Any:
@@ -322,6 +334,13 @@ class Timers:
         self.seconds = {"pass": 0.0, "head": 0.0, "mimi": 0.0}
         self.calls = {"pass": 0, "head": 0, "mimi": 0}
         self.head_rows = 0
+        self.replays_at_reset = self.replays()
+
+    def replays(self) -> tuple[int, int]:
+        """CUDA-graph replays so far: frames (the frame head, one per pass it takes) and
+        backbone frame passes (0 when the model has no such graphs)."""
+        head, runner = self.model.head.graphs, self.model.runner.graphs
+        return (head.replays if head is not None else 0, runner.replays if runner is not None else 0)
 
     def _wrap(self, obj: Any, attr: str, key: str) -> None:
         inner: Callable[..., Any] = getattr(obj, attr)
@@ -341,8 +360,13 @@ class Timers:
     def split(self, wall: float) -> dict[str, Any]:
         s, c = self.seconds, self.calls
         passes = max(1, c["pass"])
+        frame_replays, backbone_replays = (
+            now - then for now, then in zip(self.replays(), self.replays_at_reset, strict=True)
+        )
         return {
             "passes": c["pass"],
+            "frame_graph_replays": frame_replays,
+            "backbone_graph_replays": backbone_replays,
             "frames_per_head_call": round(self.head_rows / max(1, c["head"]), 2),
             "ms_per_pass": round(1000 * s["pass"] / passes, 3),
             "backbone_ms_per_pass": round(1000 * (s["pass"] - s["head"]) / passes, 3),
@@ -601,7 +625,8 @@ def concurrency(
                 continue
             p = cells[k]["profile"]
             print(
-                f"    {k}: {p['passes']} passes ({p['frames_per_head_call']} frames each): backbone "
+                f"    {k}: {p['passes']} passes ({p['frames_per_head_call']} frames each; graph replays: "
+                f"{p['frame_graph_replays']} frame, {p['backbone_graph_replays']} backbone): backbone "
                 f"{p['backbone_ms_per_pass']:.1f} ms + head {p['head_ms_per_pass']:.1f} ms per pass; Mimi "
                 f"decodes {p['mimi_decodes']}, {p['mimi_s']:.2f} s; wall {p['wall_s']:.2f} s"
             )
@@ -675,7 +700,9 @@ def main() -> None:
         "--cuda-graphs",
         type=int,
         default=0,
-        help="SpeechModel.load(cuda_graphs=N): depth steps from CUDA graphs",
+        help="SpeechModel.load(cuda_graphs=N): each frame head (codebook 0 + depth decoder) as one "
+        "CUDA-graph replay, and the backbone's frame passes from graphs where flashinfer runs it "
+        "(on the CPU: the frame-head graphs rehearsed with capture=False)",
     )
     parser.add_argument(
         "--shape",
