@@ -13,7 +13,9 @@ tensors ourselves instead. ``load_fp8_pretrained`` builds the model from a dequa
 state dict in the load dtype (the CPU path: no CPU fp8 matmul is faster than the load
 dtype's). ``keep_fp8_layers`` then (on CUDA) swaps those layers for
 ``engine.quantization.Fp8BlockLinear`` holding the file's fp8 values and scales, so
-weights stay 1 byte per value on the device.
+weights stay 1 byte per value on the device and multiply through torch's block-scaled
+matmul (1x128 activation blocks by these 128x128 weight blocks; the scale layouts torch
+wants are built in ``engine.fp8_matmul``).
 """
 
 from __future__ import annotations
