@@ -62,6 +62,9 @@ class FrameResult:
     """(hidden,) the frame's backbone input embedding (sum over codebooks)."""
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def samples(request: FrameRequest) -> bool:
     """Whether a stream draws noise for its frames (it samples at either level)."""
     return request.backbone.do_sample or request.depth.do_sample
@@ -70,7 +73,9 @@ def samples(request: FrameRequest) -> bool:
 def row_settings(requests: Sequence[FrameRequest], vocab: int) -> torch.Tensor:
     """(B, 2, 3) float32 on the CPU: per stream and level (0: backbone, 1: depth decoder)
     ``[greedy, temperature, top_k]``; a greedy level reads ``[1, 1, V]``, a level without
-    top-k (or with ``top_k >= V``) ``k = V`` (nothing filtered). Exact in float32 (k <= V)."""
+    top-k (or with ``top_k >= V``) ``k = V`` (nothing filtered). Exact in float32 (k <= V);
+    a temperature past float32's range is its largest finite value (an infinite one would
+    turn the suppressed ids' -inf into NaN; both mean uniform over the kept ids)."""
     rows = []
     for r in requests:
         levels = []
@@ -79,7 +84,7 @@ def row_settings(requests: Sequence[FrameRequest], vocab: int) -> torch.Tensor:
                 levels.append((1.0, 1.0, float(vocab)))
             else:
                 k = s.top_k if s.top_k is not None and 0 < s.top_k < vocab else vocab
-                levels.append((0.0, float(s.temperature), float(k)))
+                levels.append((0.0, min(float(s.temperature), _FLOAT32_MAX), float(k)))
         rows.append(levels)
     return torch.tensor(rows, dtype=torch.float32)
 

@@ -138,6 +138,11 @@ def test_sampler_draws_transformers_distribution():
     expected = scores.masked_fill(scores < kth, float("-inf")).softmax(-1)
     assert (freq - expected).abs().max().item() < 0.012, (freq, expected)
     assert freq[5] == 0 and (freq[expected == 0] == 0).all()
+    # a temperature past float32's range samples uniformly over the kept ids, never a suppressed one
+    hot = row_settings([FrameRequest(GREEDY, Sampling(True, 1e39, None))], 8)[:, 1].expand(draws, 3)
+    assert torch.isfinite(hot).all()
+    uniform = torch.bincount(choose(logits.expand(draws, 8), suppress, hot, noise), minlength=8)
+    assert uniform[5] == 0 and (uniform[~suppress].double() / draws - 1 / 7).abs().max().item() < 0.012
     # a greedy row in the same batch takes the argmax whatever its noise
     mixed = torch.tensor([[1.0, 1.0, 8.0], [0.0, 0.8, 4.0]])
     assert choose(logits.expand(2, 8), suppress, mixed, noise[:2])[0].item() == 0
