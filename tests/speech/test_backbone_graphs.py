@@ -6,9 +6,9 @@ graph decode wrappers' fixed page-table buffers read at run time, as a replayed 
 does) and ``capture=False`` runs each bucket's function eagerly through the static
 embeddings / hidden-state buffers, padded buckets and scratch page; only the capture itself
 needs a GPU (tests/speech/test_speech_cuda.py). Codes are compared exactly; hidden states
-to 1e-5 (float32: a padded batch of B rows and the plain pass of n rows differ only in how
-the BLAS blocks their sums, ~1e-7 here; the stand-in attends per request the same way in
-both)."""
+to 1e-5 absolute and relative (they are bit-for-bit equal on this CPU today; float32 allows
+a padded batch of B rows and the plain pass of n rows to differ in how a BLAS blocks their
+sums, ~1e-7 at these sizes, and the stand-in attends per request the same way in both)."""
 
 from __future__ import annotations
 
