@@ -107,19 +107,62 @@ def test_backbone_graphs_captured_at_load(head64_pair):
     assert graphed.capacity.num_pages == graphed.pool.num_pages - 1  # the scratch page
 
 
+def _check_passes_against_eager(model) -> list[float]:
+    """Wrap the backbone graphs: after each pass they replay, run the same steps through the
+    runner's eager path (graphs off, a head that only records) and compare the final hidden
+    states of the pass's rows. Both read the same earlier K/V (the eager run rewrites the
+    pass's own slots with its values, which the next pass then reads in both paths), so the
+    rows differ only by bfloat16 rounding of different kernels. Returns the max abs
+    difference per pass (fills as the model runs)."""
+    runner, graphs = model.runner, model.runner.graphs
+    replay = graphs.run
+    diffs: list[float] = []
+
+    class Recorder:
+        def run(self, hidden, requests):
+            seen.append(hidden.float().clone())
+            return [None] * len(requests)
+
+    seen: list[torch.Tensor] = []
+
+    def run(steps):
+        out = replay(steps)
+        mine = graphs.hidden[: len(steps)].float().clone()
+        head, runner.head, runner.graphs = runner.head, Recorder(), None
+        try:
+            runner.run(list(steps))
+        finally:
+            runner.head, runner.graphs = head, graphs
+        eager = seen.pop()
+        torch.testing.assert_close(mine, eager, atol=6e-2, rtol=3e-2)
+        diffs.append((mine - eager).abs().max().item())
+        return out
+
+    graphs.run = run
+    return diffs
+
+
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_cuda_graph_backbone_equals_eager(head64_pair, n):
-    """Backbone and frame head from graphs against both eager on flashinfer (bfloat16:
-    the same kernels on the same rows; the engine's decode graphs are held to the same
-    exact greedy tokens in tests/engine/test_cuda.py)."""
+    """Backbone and frame head from graphs against both eager on flashinfer, bfloat16.
+    Every replayed backbone pass's hidden states equal an eager run of the same steps to
+    bfloat16 rounding (a wrong page table, a padding row leaking or a stale embedding
+    buffer differ by O(1)). The codes: at least 90% equal to the eager model's (a random
+    checkpoint's near-tied logits can flip an argmax on bfloat16 rounding, after which a
+    stream's frames part ways; a broken graph agrees on ~1/64)."""
     eager, graphed = head64_pair
     g = graphed.runner.graphs
     captures, replays = g.captures, g.replays
-    greedy, sampled = _calls(n)
-    for calls in (greedy, sampled):
-        for a, b in zip(_codes(eager, calls), _codes(graphed, calls), strict=True):
-            assert len(a) == 6
-            np.testing.assert_array_equal(a, b)
-    assert g.replays - replays >= 2 * 5  # frames 2..6 of both runs: backbone frame passes
+    diffs = _check_passes_against_eager(graphed)
+    try:
+        greedy, sampled = _calls(n)
+        for calls in (greedy, sampled):
+            theirs, ours = np.stack(_codes(eager, calls)), np.stack(_codes(graphed, calls))
+            assert ours.shape == theirs.shape == (n, 6, graphed.num_codebooks)
+            same = (ours == theirs).mean()
+            assert same >= 0.9, f"{same:.1%} of the codes equal eager's; max pass difference {max(diffs)}"
+    finally:
+        del g.run  # the instance wrapper
+    assert g.replays - replays >= 2 * 5 and len(diffs) >= 2 * 5  # frames 2..6 of both runs
     assert g.captures == captures
     assert graphed.pool.stats().in_use == 1  # only the scratch page stays taken
