@@ -148,11 +148,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     sv.add_argument(
         "--speech-realtime-safety",
-        type=float,
+        type=_realtime_safety,
         default=None,
-        metavar="F",
+        metavar="F|off",
         help="admit a speech stream only if the measured frame time at the new batch size stays "
-        "within F x a frame's audio length (default 0.8), so every stream keeps real time; else 429",
+        "within F x a frame's audio length (default 0.8), so every stream keeps real time; else 429. "
+        "off: pages (and --max-speech-streams) only",
     )
     sv.add_argument(
         "--cuda-graphs",
@@ -277,3 +278,13 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
+
+
+def _realtime_safety(value: str) -> float | str:
+    """``--speech-realtime-safety``: a share in (0, 1], or "off"."""
+    if value.strip().lower() == "off":
+        return "off"
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] or 'off', got {value!r}") from None

@@ -156,10 +156,10 @@ class ServeSettings(BaseSettings):
     """A cap on speech requests one CSM model generates at once (batched); "auto": none
     beyond its KV pages and, with ``speech_realtime_safety``, its measured frame time. Past
     any bound the speech endpoint answers 429 (``speech.admission``)."""
-    speech_realtime_safety: float | None = Field(default=0.8, gt=0, le=1)
+    speech_realtime_safety: Literal["off"] | Annotated[float, Field(gt=0, le=1)] | None = 0.8
     """A speech stream is admitted only if the frame time measured at the resulting batch
     size stays within this share of a frame's audio length (CSM: 80 ms), so every stream
-    keeps real time; None: no such rule."""
+    keeps real time; "off" or None: no such rule."""
     max_inferlet_bytes: int = Field(default=64 << 20, ge=1)
     """Size of one uploaded inferlet component."""
     inferlet_cache_dir: Path | None = None
@@ -235,7 +235,9 @@ class ServeSettings(BaseSettings):
         if self.max_model_len is not None:
             out["max_model_len"] = self.max_model_len
         out["max_speech_streams"] = self.max_speech_streams
-        out["speech_realtime_safety"] = self.speech_realtime_safety
+        out["speech_realtime_safety"] = (
+            None if self.speech_realtime_safety == "off" else self.speech_realtime_safety
+        )
         from encoders import EncoderCache
 
         out["encoder_cache"] = EncoderCache(  # one per call: each model its own budget

@@ -33,6 +33,21 @@ def test_speech_streams_reach_speech_models_only() -> None:
     assert load_model("tiny", **opts).name == "tiny-qwen3-vl"  # Model.load never sees the option
 
 
+def test_the_realtime_rule_can_be_turned_off() -> None:
+    assert (
+        ServeSettings(device="cpu", speech_realtime_safety="off").model_load_options()[
+            "speech_realtime_safety"
+        ]
+        is None
+    )
+    assert (
+        ServeSettings(device="cpu", speech_realtime_safety=0.5).model_load_options()["speech_realtime_safety"]
+        == 0.5
+    )
+    with pytest.raises(pydantic.ValidationError):
+        ServeSettings(speech_realtime_safety=1.5)
+
+
 def test_max_model_len_reaches_chat_models_only() -> None:
     from api.model_ref import load_model
 
