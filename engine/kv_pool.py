@@ -37,7 +37,7 @@ counts the scales, so a memory budget buys more pages (``PoolStats.capacity_rows
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -183,7 +183,9 @@ class KVPool:
 
         self._lock = threading.RLock()
         self._ref = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        # A stack, page 0 on top: a freed page is the next handed out, so the pool's memory
+        # becomes resident only as far as its use ever reaches (a FIFO walked every page)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()  # refcount-0 pages with a key, LRU first
         self._key_of: dict[int, PageKey] = {}
         self._page_of: dict[PageKey, int] = {}
@@ -318,7 +320,7 @@ class KVPool:
             out = []
             for _ in range(n):
                 if self._free:
-                    page = self._free.popleft()
+                    page = self._free.pop()
                 else:
                     page, _ = self._cached.popitem(last=False)
                     self._forget(page)

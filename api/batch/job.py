@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from api.batch.captioner import Outcome, caption_prompts
+from api.batch.heap import TRIM_EVERY, trim_heap
 from api.batch.item_records import item_records
 from api.batch.ledger import record_id
 from api.batch.pipeline import Pipeline, default_workers
@@ -167,6 +168,8 @@ async def caption_job_async(
         finally:
             st.handled += 1
             summary.total += 1
+            if summary.total % TRIM_EVERY == 0:
+                trim_heap()  # the samples' freed buffers back to the OS: RSS stays flat
             maybe_finish(st)
             sem.release()
             bar.advance()
