@@ -160,11 +160,11 @@ def _compile():
         cap_b = np.float32(nbins - 0.5) / inv_w
         for j in range(x.shape[0]):
             d = mx - x[j] / temp
-            de = min(d, cap_e)
+            de = d if d < cap_e else cap_e  # a select, not min(): min's NaN rule stops vectorising
             b = np.int32(de * np.float32(64.0))
             r = de - np.float32(b) * np.float32(1.0 / 64.0)
             e[j] = table[b] * (one - r * (one - r * (half - r * (sixth - r * twentyfourth))))
-            bins[j] = np.int32(min(d, cap_b) * inv_w)
+            bins[j] = np.int32((d if d < cap_b else cap_b) * inv_w)
 
     @njit
     def far_exps(x, temp, mx, e):
@@ -275,27 +275,36 @@ def _compile():
         return cut_b, cut_t, cut_id
 
     @fast
-    def block_sums(e, bins, cut_b, sums):
-        """Per block of 256 tokens (vocabulary order), the mass of those in bins before
-        ``cut_b`` (all kept); vectorised."""
+    def kept_block_sums(x, temp, e, bins, cut_b, cut_t, cut_id, sums):
+        """Per block of 256 tokens (vocabulary order), the mass of the kept ones: every
+        token of a bin before ``cut_b``, and those of the cut's own bin that ``kept``
+        keeps. Branch-free with a fixed trip count, so LLVM vectorises it (a loop bounded
+        by ``min(vocab, ...)`` it does not: 4-10x slower); the last, partial block apart."""
         vocab = e.shape[0]
-        for i in range(sums.shape[0]):
-            s = 0.0
-            for j in range(i * 256, min(vocab, i * 256 + 256)):
-                s += np.float64(e[j]) * (bins[j] < cut_b)
+        full = vocab // 256
+        for i in range(full):
+            s = np.float32(0.0)
+            base = i * 256
+            for k in range(256):
+                j = base + k
+                b = np.int32(bins[j])
+                t = x[j] / temp
+                keep = (b < cut_b) | ((b == cut_b) & ((t > cut_t) | ((t == cut_t) & (j >= cut_id))))
+                s += e[j] * np.float32(keep)
             sums[i] = s
+        if full < sums.shape[0]:
+            s = np.float32(0.0)
+            for j in range(full * 256, vocab):
+                if kept(bins[j], x[j] / temp, j, cut_b, cut_t, cut_id):
+                    s += e[j]
+            sums[full] = s
 
     @njit
-    def draw(x, temp, e, bins, cut_b, cut_t, cut_id, u):
+    def draw(x, temp, e, bins, cut_b, cut_t, cut_id, u, mass):
         """The first token whose kept cumulative mass, in vocabulary order, exceeds u times
         the kept mass (blocks of 256 summed first); never a zero-probability token."""
         vocab = x.shape[0]
-        mass = np.empty((vocab + 255) // 256)
-        block_sums(e, bins, cut_b, mass)
-        if cut_b < nbins:  # the kept tokens of the cut's own bin
-            for j in range(vocab):
-                if bins[j] == cut_b and kept(cut_b, x[j] / temp, j, cut_b, cut_t, cut_id):
-                    mass[j >> 8] += e[j]
+        kept_block_sums(x, temp, e, bins, cut_b, cut_t, cut_id, mass)
         total = 0.0
         for i in range(mass.shape[0]):
             total += mass[i]
@@ -358,6 +367,7 @@ def _compile():
         idx = np.empty(vocab, dtype=np.int64)
         hm = np.empty(nbins)
         hc = np.empty(nbins, dtype=np.int64)
+        mass = np.empty((vocab + 255) // 256)
         for r in range(x.shape[0]):
             mx_raw = his[r]
             if not (mx_raw == mx_raw) or mx_raw == np.inf or mx_raw == -np.inf:  # NaN, +inf, none finite
@@ -369,7 +379,7 @@ def _compile():
             cut_b, cut_t, cut_id = nbins, -np.inf, 0
             if filtered:
                 cut_b, cut_t, cut_id = cut(row, temp, k, p, m, inv_w, e, bins, hm, hc, idx)
-            out[r] = draw(row, temp, e, bins, cut_b, cut_t, cut_id, us[r])
+            out[r] = draw(row, temp, e, bins, cut_b, cut_t, cut_id, us[r], mass)
 
     @njit
     def masks(x, his, los, temps, ks, ps, ms, out):
