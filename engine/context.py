@@ -31,12 +31,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 from engine import sampling, stopping
 from engine.chat import RESERVED_TEMPLATE_KEYS, ROLES, ChatState, Message, chat_message, template_pieces
 from engine.drafting import MAX_DRAFT, Drafter, checked_draft
-from engine.errors import ContextClosedError, ContextLengthExceededError, InvalidRequestError
+from engine.errors import ContextClosedError, ContextLengthExceededError, InvalidRequestError, OutOfPagesError
 from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.grammar import Grammar, GrammarMatcher
 from engine.lora import AdapterStack
@@ -44,6 +45,7 @@ from engine.page_hashing import MediaRow
 from engine.page_table import PageTable, rows_key
 from engine.pass_sampling import SampleRequest
 from engine.penalties import Penalties, PenaltyState
+from engine.scheduler import SKIPPED
 from engine.tool_calls import tool_call_format
 from media import check_int
 
@@ -154,6 +156,9 @@ class Context:
         self._seed = seed
         self._generator: torch.Generator | None = None
         self._busy = False
+        self._overlap: list[_Submitted] = []
+        """Decode steps of ``_decode_overlapped`` submitted and not yet landed or dropped
+        (closing cancels those still waiting for a pass)."""
         self._closed = False
         self.adapters = AdapterStack()
         """LoRA adapters this context's rows run under (push/pop/clear)."""
@@ -440,6 +445,13 @@ class Context:
         argmax_serves = sampler.is_greedy and adjust is None and self.model.runner.batch_argmax
         if matcher is None and not sampler.is_custom and not argmax_serves:
             batched = SampleRequest(sampler, self._rng(), adjust)
+        overlap = (
+            self.model.scheduler.overlap
+            and matcher is None
+            and drafter is None
+            and not sampler.is_custom
+            and adjust is None
+        )
         with self._guard():
             self._sample_request = batched
             try:
@@ -471,6 +483,10 @@ class Context:
                     self._check_open()  # the consumer may close it while holding an event
             if events[-1].done is not None:
                 return
+            if overlap:  # every further token: decode steps submitted ahead of their tokens
+                async for ev in self._decode_overlapped(gen, sampler, batched, budget):
+                    yield ev
+                return
             drafts = []
             if jump and matcher is not None:
                 drafts = matcher.forced()
@@ -494,6 +510,130 @@ class Context:
                 self._check_open()  # closed while that pass ran: its rows are gone
                 assert self._last_logits is not None
                 rows = [self._last_logits]
+
+    async def _decode_overlapped(
+        self,
+        gen: _Emission,
+        sampler: sampling.Sampler,
+        request: SampleRequest | None,
+        budget: int,
+    ) -> AsyncIterator[TokenEvent]:
+        """``stream``'s decode loop with the host's work beside the passes: while the pass
+        of the pending row runs, the step of the row after it (its token is what that pass
+        samples) is already submitted (``StepInput.after``), so the scheduler hands it to
+        the forward worker as soon as that pass ends, while this loop streams the token,
+        checks the stops and submits the next one. A stop leaves one such step computed in
+        vain: its row stays pending (as without overlap), a seeded generator gets its draw
+        back, and its K/V are rewritten when the row is next computed. Tokens, seeded ones
+        included, are what the plain loop gives."""
+        counters = self.model.counters
+        cur: _Submitted | None = self._enqueue_decode(request, None)
+        ahead = self._enqueue_ahead(request, cur.step) if len(gen.generated) + 1 < budget else None
+        try:
+            while True:
+                assert cur is not None
+                with self._guard():  # as the plain loop: busy while a pass of its rows runs
+                    result = await cur.future
+                self._check_open()  # closed while the pass ran: its rows are gone
+                step, cur = cur.step, None
+                if result is SKIPPED:  # its token never came: run its row as usual
+                    if ahead is not None:
+                        await self._drop_ahead(ahead)
+                        ahead = None
+                    cur = self._enqueue_decode(request, None)
+                    continue
+                counters.fed_back_tokens += 1
+                self._n += 1
+                self._table.publish(self._rows, self._n)
+                self._land(step, result)
+                token = self._pick(result, sampler, None)
+                if ahead is not None and token != _token_of(step):
+                    await self._drop_ahead(ahead)  # computed for another token: redo
+                    ahead = None
+                self._append_text([token])
+                event = gen.emit(token, result)
+                gen.observe(1)
+                if event.done is None:
+                    cur = ahead if ahead is not None else self._enqueue_decode(request, None)
+                    ahead = None
+                    if len(gen.generated) + 1 < budget:
+                        ahead = self._enqueue_ahead(request, cur.step)
+                yield event
+                if event.done is not None:
+                    return
+                self._check_open()  # the consumer may close it while holding an event
+        finally:
+            if ahead is not None:
+                await self._drop_ahead(ahead)
+
+    def _enqueue_decode(self, request: SampleRequest | None, after: StepInput | None) -> _Submitted:
+        """Submit the decode step of the pending last row (``after`` None), or of the row
+        after it, whose token ``after``'s pass samples; the step's future comes back."""
+        start = len(self._rows) - (after is None)
+        self._table.set_salt(self.adapters.identity(), start)
+        if after is None:
+            assert self._n == start, "one pending row"
+            step = self._build_step(start, start + 1, "last")
+            step.pages = list(step.pages)  # the table may grow while the pass waits
+        else:
+            self._table.reserve(start, start + 1)
+            positions = torch.full((self.model.arch.position_axes, 1), self._cursor, dtype=torch.long)
+            step = StepInput(
+                tokens=[-1],
+                positions=positions,
+                kv_start=start,
+                pages=list(self._table.pages),
+                logits="last",
+                adapters=self.adapters.items,
+                after=after,
+            )
+        step.sample = request
+        submitted = _Submitted(step, self.model.scheduler.enqueue(step))
+        self._overlap.append(submitted)
+        submitted.future.add_done_callback(lambda _: self._overlap.remove(submitted))
+        return submitted
+
+    def _enqueue_ahead(self, request: SampleRequest | None, after: StepInput) -> _Submitted | None:
+        """``_enqueue_decode`` of the row after the pending one, or None (that row then
+        waits for its token): when its page is shared (reserving it would copy the page
+        the pending row's pass is writing) or no page is free."""
+        start = len(self._rows)
+        if self._table.shares(start, start + 1):
+            return None
+        try:
+            return self._enqueue_decode(request, after)
+        except OutOfPagesError:
+            return None
+
+    def _land(self, step: StepInput, logits: torch.Tensor) -> None:
+        """A decode step's logits became the last row's (with the runner's argmax / draw)."""
+        self._last_logits, self._last_hidden = logits, None
+        self._argmax_hint = (logits, step.argmax) if step.argmax is not None else None
+        self._sample_hint = None
+        if step.sampled is not None and step.sample is not None:
+            self._sample_hint = (logits, step.sample.sampler, step.sampled)
+
+    async def _drop_ahead(self, ahead: _Submitted) -> None:
+        """Drop a step submitted ahead of its token: unrun, it never runs; run (or running,
+        then once its pass ends), its row stays pending and a seeded generator gets back
+        the draw it made."""
+        step, future = ahead
+        if not step.dispatched:
+            future.cancel()
+            return
+        if not future.done():
+            try:
+                await asyncio.shield(future)
+            except Exception:  # its pass failed: nothing was drawn that matters
+                return
+        if step.skipped:
+            return
+        self.model.counters.fed_back_tokens += 1  # a generation row, not a prompt row
+        generator = step.sample.generator if step.sample is not None else None
+        if generator is not None and step.rng_state is not None:
+            before, after = step.rng_state
+            if after is not None and torch.equal(generator.get_state(), after):
+                generator.set_state(before)  # nothing drew since: give the draw back
 
     async def verify_draft(self, draft: Sequence[int], sampler: sampling.Sampler | None = None) -> list[int]:
         """One speculative step outside ``generate``: check ``draft`` (the tokens a caller
@@ -714,6 +854,9 @@ class Context:
         self._finalizer = weakref.finalize(self, PageTable.release, table)
 
     def _release(self) -> None:
+        for submitted in self._overlap:  # never to run into pages someone else may get
+            if not submitted.step.dispatched:
+                submitted.future.cancel()
         self._table.release()
         self._finalizer.detach()
         self._rows = []
@@ -1020,8 +1163,10 @@ class Context:
     def _build_step(self, start: int, end: int, want: LogitsWanted) -> StepInput:
         self._table.reserve(start, end)
         rows = self._rows[start:end]
-        positions = torch.tensor([r.pos for r in rows], dtype=torch.long).t().contiguous()
-        media = self._media_rows(rows)
+        # numpy builds the (axes, rows) array in half the time torch.tensor takes (a decode
+        # step builds one per context per token).
+        positions = torch.from_numpy(np.array([r.pos for r in rows], dtype=np.int64).T.copy())
+        media = self._media_rows(rows) if any(r.span is not None for r in rows) else []
         block_ids = None
         if self.model.runner.block_overlay_layers:
             ids, current, prev = [], -1, False
@@ -1060,6 +1205,16 @@ class Context:
             )
             for span, at, emb in spans.values()
         ]
+
+
+class _Submitted(NamedTuple):
+    step: StepInput
+    future: asyncio.Future
+
+
+def _token_of(step: StepInput) -> int | None:
+    """The token a step's pass drew for its row (what a step ``after`` it runs with)."""
+    return step.sampled if step.sample is not None else step.argmax
 
 
 def _token_budget(cond: stopping.StopCondition) -> int:

@@ -94,6 +94,19 @@ class StepInput:
     """For a "last" or "last+hidden" step: sample its last row in the pass, batched with
     the pass's other requests (``engine.pass_sampling``); the token lands in ``sampled``."""
     sampled: int | None = None
+    after: StepInput | None = None
+    """A decode step submitted before its token is known (``engine.scheduler``'s overlap):
+    its one row's token is the one ``after`` (an earlier pass's step of the same context)
+    sampled (``sampled``, else ``argmax`` for a greedy step without a sample request)."""
+    dispatched: bool = False
+    """Set by the scheduler when the step's pass is handed to the forward worker."""
+    skipped: bool = False
+    """Set by the scheduler when ``after`` gave no token (its pass failed or its row could
+    not be sampled): the step was not run and its result is ``engine.scheduler.SKIPPED``."""
+    rng_state: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    """For an ``after`` step sampled with a seeded generator: the generator's state before
+    and after this row drew, so a context that drops the step (it stopped one token
+    earlier) can give the draw back when nothing drew since (``engine.pass_sampling``)."""
 
 
 class ForwardRunner:

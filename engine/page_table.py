@@ -163,6 +163,11 @@ class PageTable:
             self._keys.append(key)
 
     # -- writing ----------------------------------------------------------------------------
+    def shares(self, start: int, end: int) -> bool:
+        """Whether rows [start, end) touch a held page someone else holds too (reserving
+        them copies it)."""
+        return bool(self._shared(start, end))
+
     def _shared(self, start: int, end: int) -> list[int]:
         """Indices of the held pages that rows [start, end) touch and someone else holds."""
         first, last = start // self.pool.page_size, min(self.pages_for(end), len(self._pages))

@@ -48,6 +48,8 @@ class Step(Protocol):
     logits: str
     sample: SampleRequest | None
     sampled: int | None
+    after: Any
+    rng_state: tuple[torch.Tensor, torch.Tensor | None] | None
 
 
 def sample_pass(steps: Sequence[Step], out: Sequence[Any]) -> None:
@@ -61,6 +63,8 @@ def sample_pass(steps: Sequence[Step], out: Sequence[Any]) -> None:
         row = out[i] if steps[i].logits == "last" else out[i][0]
         request = steps[i].sample
         assert request is not None
+        if steps[i].after is not None and request.generator is not None:
+            steps[i].rng_state = (request.generator.get_state(), None)  # see StepInput.rng_state
         adjust = request.adjust
         rows.append(adjust.apply(row) if adjust is not None else row)
     try:
@@ -74,6 +78,9 @@ def sample_pass(steps: Sequence[Step], out: Sequence[Any]) -> None:
         return
     for i, token in zip(asked, tokens, strict=True):
         steps[i].sampled = token if token >= 0 else None
+        state = steps[i].rng_state
+        if state is not None:
+            steps[i].rng_state = (state[0], _request(steps[i]).generator.get_state())
 
 
 def _request(step: Step) -> SampleRequest:

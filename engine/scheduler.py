@@ -12,12 +12,26 @@ and streams keep moving.
 Work is bounded per pass by ``max_batch_rows``: steps that do not fit wait for the next
 pass (a step is never split here; contexts chunk their own prefill and never split a
 media span).
+
+Overlap (vLLM's async scheduling, SGLang's overlap scheduler, on this design): a plain
+generation submits its next decode step before it knows the token it feeds, naming the
+step whose sampled token it is (``StepInput.after``). Such a step waits for a later pass
+than the one it follows; and while a pass runs, the scheduler already cuts and hands the
+forward worker the next one when steps like it wait. So the worker goes from pass N
+straight to pass N+1 (reading N's tokens, which it sampled itself), while the event loop
+streams N's tokens, checks stops and submits N+2: the host's share of a step runs beside
+the model's, not between two passes. The next pass is cut early only when every step of
+the running one has its successor waiting; otherwise (a prefill chunk, a grammar's step)
+it is cut when the running one answers, so contexts one pass out of phase share passes
+rather than alternate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,12 +40,17 @@ import torch
 
 from engine.forward import ForwardRunner, StepInput
 
+SKIPPED = object()
+"""The result of an ``after`` step whose token never came (``StepInput.skipped``)."""
+
 
 @dataclass
 class SchedulerStats:
     passes: int = 0
     steps: int = 0
     max_steps_in_pass: int = 0
+    overlapped_passes: int = 0
+    """Passes handed to the worker while the one before was still running."""
 
 
 class Scheduler:
@@ -44,8 +63,16 @@ class Scheduler:
         self._lock = threading.Lock()  # one forward pass at a time per model, whatever the loop
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-forward")
         self.stats = SchedulerStats()
+        self.overlap = os.environ.get("PIE_MEDIA_OVERLAP", "1") != "0"
+        """Whether plain generations submit each decode step ahead of its token (see the
+        module doc); ``PIE_MEDIA_OVERLAP=0`` turns it off."""
 
     async def submit(self, step: StepInput) -> torch.Tensor | None:
+        return await self.enqueue(step)
+
+    def enqueue(self, step: StepInput) -> asyncio.Future:
+        """``submit`` without waiting: the future of the step's result (cancel it to drop
+        the step while it still waits for a pass)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._pending.setdefault(loop, []).append((step, fut))
@@ -54,7 +81,7 @@ class Scheduler:
             task = loop.create_task(self._serve(loop))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await fut
+        return fut
 
     async def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on one kept hidden state, on the forward worker (between passes),
@@ -82,14 +109,28 @@ class Scheduler:
 
     def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
-            return self.runner.run(steps)
+            live = []
+            for step in steps:
+                if step.after is not None:  # its token: what its predecessor's pass drew
+                    before = step.after
+                    token = before.sampled if before.sample is not None else before.argmax
+                    if token is None or not before.dispatched or before.skipped:
+                        step.skipped = True
+                        continue
+                    step.tokens = [token]
+                live.append(step)
+            out = iter(self.runner.run(live) if live else ())
+            return [SKIPPED if step.skipped else next(out) for step in steps]
 
     def _cut(self, loop: asyncio.AbstractEventLoop) -> list[tuple[StepInput, asyncio.Future]]:
+        """The next pass's steps: every waiting one that fits, except steps whose
+        predecessor (``StepInput.after``) is in no earlier pass yet."""
         queue = [(s, f) for s, f in self._pending.pop(loop, []) if not f.done()]
         batch, rest, rows = [], [], 0
         for item in queue:
             n = len(item[0].tokens)
-            if batch and rows + n > self.max_batch_rows:
+            early = item[0].after is not None and not item[0].after.dispatched
+            if early or (batch and rows + n > self.max_batch_rows):
                 rest.append(item)
             else:
                 batch.append(item)
@@ -98,15 +139,50 @@ class Scheduler:
             self._pending[loop] = rest
         return batch
 
+    def _may_overlap(
+        self, loop: asyncio.AbstractEventLoop, running: list[tuple[StepInput, asyncio.Future]]
+    ) -> bool:
+        """Whether to cut the next pass while ``running`` runs: only when every step in it
+        already has its successor waiting (submitted ahead of its token). A step without
+        one (a prefill chunk, a decode step outside the overlap) gets its successor once
+        the pass answers, and cutting earlier would leave that successor a pass behind: a
+        chunked prefill would take every other pass instead of every pass."""
+        followed = {
+            id(s.after) for s, f in self._pending.get(loop, ()) if s.after is not None and not f.done()
+        }
+        return bool(followed) and all(id(s) in followed or f.done() for s, f in running)
+
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        running: deque[tuple[list[tuple[StepInput, asyncio.Future]], asyncio.Future]] = deque()
         try:
             await asyncio.sleep(0)  # let every ready task submit its step first
-            while self._pending.get(loop):
-                batch = self._cut(loop)
-                if not batch:
+            while True:
+                # Hand the worker the next pass: at once when none runs, and beside a
+                # running one only when steps submitted ahead of their tokens wait.
+                while self._pending.get(loop) and (
+                    not running or (len(running) < 2 and self._may_overlap(loop, running[-1][0]))
+                ):
+                    batch = self._cut(loop)
+                    if not batch:
+                        break
+                    for step, _ in batch:
+                        step.dispatched = True
+                    if running:
+                        self.stats.overlapped_passes += 1
+                    steps = [s for s, _ in batch]
+                    running.append((batch, loop.run_in_executor(self._executor, self._run, steps)))
+                if not running:
+                    if not self._pending.get(loop):
+                        break
+                    # Only steps whose predecessor was dropped before its pass wait: they
+                    # will never get a token, so the next cut takes them and _run skips them.
+                    for step, _ in self._pending.get(loop, ()):
+                        if step.after is not None and not step.after.dispatched:
+                            step.after.skipped = step.after.dispatched = True
                     continue
+                batch, pending = running.popleft()
                 try:
-                    results = await loop.run_in_executor(self._executor, self._run, [s for s, _ in batch])
+                    results = await pending
                 except Exception as e:  # a failed pass fails the steps in it, not the loop
                     for _, f in batch:
                         if not f.done():
