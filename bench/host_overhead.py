@@ -11,7 +11,8 @@ model is replaced (``StandInModel``): its hidden states are a fixed tensor and i
 hands back a fixed row of logits, taken once from the real model, for every row. What is
 left is the host's share of a step, the part a GPU cannot make faster.
 
-Per concurrency and sampler (greedy; temperature 0.8 with top-p 0.9, each context seeded)
+Per concurrency, sampler (greedy; temperature 0.8 with top-p 0.9, each context seeded)
+and the scheduler's overlap (on and off, alternated in the same process; ``--overlap``)
 it reports milliseconds per decode pass: the wall time of a generation of ``warm + steps``
 tokens minus that of ``warm`` tokens, over ``steps`` (prompt, prefill and context setup
 cancel out), each length's best of ``--rounds`` interleaved rounds; and the process's CPU
@@ -143,38 +144,65 @@ def wall(model, n: int, tokens: int, sampled: bool) -> tuple[float, float, float
     )
 
 
-def measure(model, n: int, steps: int, rounds: int) -> dict[str, Any]:
-    """Per sampler: ms per decode pass, wall and CPU, each from the best of ``rounds``
-    generations of ``WARM`` and of ``WARM + steps`` tokens (the best: what other load on
-    a shared machine adds is never negative)."""
+def measure(model, n: int, steps: int, rounds: int, modes: tuple[bool, ...] = (True,)) -> dict[str, Any]:
+    """Per sampler (and overlap mode): ms per decode pass, wall and CPU, each from the best
+    of ``rounds`` generations of ``WARM`` and of ``WARM + steps`` tokens (the best: what
+    other load on a shared machine adds is never negative). ``modes``: the scheduler's
+    overlap on (True) and/or off (False), alternated within each round so both meet the
+    same load; keys of the off mode end in ``_no_overlap``."""
     out: dict[str, Any] = {}
     kinds = ("greedy", "top_p")
-    runs: dict[tuple[str, str], list[tuple[float, float, float, int]]] = {}
-    for kind in kinds:  # warm-up: first calls pay lazy set-up (kernel compilation, caches)
-        wall(model, n, WARM + 1, kind == "top_p")
-    for _ in range(rounds):
+    runs: dict[tuple[str, bool, str], list[tuple[float, float, float, int]]] = {}
+    saved = getattr(model.scheduler, "overlap", None)
+    try:
+        for kind in kinds:  # warm-up: first calls pay lazy set-up (kernel compilation, caches)
+            for mode in modes:
+                _set_overlap(model, mode)
+                wall(model, n, WARM + 1, kind == "top_p")
+        for _ in range(rounds):
+            for kind in kinds:
+                for mode in modes:
+                    _set_overlap(model, mode)
+                    for length in ("short", "long"):
+                        tokens = WARM if length == "short" else WARM + steps
+                        runs.setdefault((kind, mode, length), []).append(
+                            wall(model, n, tokens, kind == "top_p")
+                        )
+    finally:
+        if saved is not None:
+            model.scheduler.overlap = saved
+    for mode in modes:
+        tail = "" if mode else "_no_overlap"
         for kind in kinds:
-            for length in ("short", "long"):
-                tokens = WARM if length == "short" else WARM + steps
-                runs.setdefault((kind, length), []).append(wall(model, n, tokens, kind == "top_p"))
-    for kind in kinds:
-        short, long = runs[kind, "short"], runs[kind, "long"]
-        out[f"{kind}_ms_per_step"] = round(
-            (min(r[0] for r in long) - min(r[0] for r in short)) / steps * 1e3, 3
-        )
-        out[f"{kind}_cpu_ms_per_step"] = round(
-            (min(r[1] for r in long) - min(r[1] for r in short)) / steps * 1e3, 3
-        )
-        sampling = (min(r[2] for r in long) - min(r[2] for r in short)) / steps * 1e3
-        out[f"{kind}_sampling_cpu_ms_per_step"] = round(sampling, 3)
-        out[f"{kind}_cpu_ms_per_step_besides_sampling"] = round(out[f"{kind}_cpu_ms_per_step"] - sampling, 3)
-        out[f"{kind}_passes_per_step"] = round((long[0][3] - short[0][3]) / steps, 3)
-    for clock in ("", "cpu_"):
-        greedy = out[f"greedy_{clock}ms_per_step"]
-        out[f"top_p_over_greedy{'_cpu' if clock else ''}"] = (
-            round(out[f"top_p_{clock}ms_per_step"] / greedy, 2) if greedy > 0 else None
-        )
+            short, long = runs[kind, mode, "short"], runs[kind, mode, "long"]
+            key = f"{kind}{tail}"
+            out[f"{key}_ms_per_step"] = round(
+                (min(r[0] for r in long) - min(r[0] for r in short)) / steps * 1e3, 3
+            )
+            out[f"{key}_cpu_ms_per_step"] = round(
+                (min(r[1] for r in long) - min(r[1] for r in short)) / steps * 1e3, 3
+            )
+            sampling = (min(r[2] for r in long) - min(r[2] for r in short)) / steps * 1e3
+            out[f"{key}_sampling_cpu_ms_per_step"] = round(sampling, 3)
+            out[f"{key}_cpu_ms_per_step_besides_sampling"] = round(
+                out[f"{key}_cpu_ms_per_step"] - sampling, 3
+            )
+            out[f"{key}_passes_per_step"] = round((long[0][3] - short[0][3]) / steps, 3)
+        for clock in ("", "cpu_"):
+            greedy = out[f"greedy{tail}_{clock}ms_per_step"]
+            out[f"top_p_over_greedy{tail}{'_cpu' if clock else ''}"] = (
+                round(out[f"top_p{tail}_{clock}ms_per_step"] / greedy, 2) if greedy > 0 else None
+            )
+    if len(modes) == 2:
+        for kind in kinds:
+            on, off = out[f"{kind}_ms_per_step"], out[f"{kind}_no_overlap_ms_per_step"]
+            out[f"{kind}_overlap_speedup"] = round(off / on, 2) if on > 0 else None
     return out
+
+
+def _set_overlap(model, on: bool) -> None:
+    if hasattr(model.scheduler, "overlap"):  # an engine from before the overlap: always off
+        model.scheduler.overlap = on
 
 
 def main() -> None:
@@ -187,7 +215,14 @@ def main() -> None:
     parser.add_argument("--machine", default=f"{platform.processor() or platform.machine()}")
     parser.add_argument("--label", default="", help="what this run measures (e.g. before/after)")
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--overlap",
+        choices=("on", "off", "both"),
+        default="both",
+        help="the scheduler's overlap (both: compared)",
+    )
     args = parser.parse_args()
+    modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.overlap]
     torch.set_num_threads(args.threads)
     try:
         count_sampling()
@@ -205,13 +240,13 @@ def main() -> None:
     }
     model = load(real=False, max_contexts=max(counts))
     for n in counts:
-        result["stand_in"][str(n)] = row = measure(model, n, args.steps, args.rounds)
+        result["stand_in"][str(n)] = row = measure(model, n, args.steps, args.rounds, modes)
         print(f"stand-in forward, {n:4d} contexts: {row}", flush=True)
     if args.real:
         result["real"] = {}
         model = load(real=True, max_contexts=max(counts))
         for n in counts:
-            result["real"][str(n)] = row = measure(model, n, max(4, args.steps // 3), args.rounds)
+            result["real"][str(n)] = row = measure(model, n, max(4, args.steps // 3), args.rounds, modes)
             print(f"real forward,     {n:4d} contexts: {row}", flush=True)
     if args.out:
         path = Path(args.out)
