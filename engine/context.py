@@ -446,11 +446,7 @@ class Context:
         if matcher is None and not sampler.is_custom and not argmax_serves:
             batched = SampleRequest(sampler, self._rng(), adjust)
         overlap = (
-            self.model.scheduler.overlap
-            and matcher is None
-            and drafter is None
-            and not sampler.is_custom
-            and adjust is None
+            self.model.scheduler.overlap and matcher is None and drafter is None and not sampler.is_custom
         )
         with self._guard():
             self._sample_request = batched
@@ -484,7 +480,7 @@ class Context:
             if events[-1].done is not None:
                 return
             if overlap:  # every further token: decode steps submitted ahead of their tokens
-                async for ev in self._decode_overlapped(gen, sampler, batched, budget):
+                async for ev in self._decode_overlapped(gen, sampler, batched, budget, adjust):
                     yield ev
                 return
             drafts = []
@@ -517,6 +513,7 @@ class Context:
         sampler: sampling.Sampler,
         request: SampleRequest | None,
         budget: int,
+        adjust: PenaltyState | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``stream``'s decode loop with the host's work beside the passes: while the pass
         of the pending row runs, the step of the row after it (its token is what that pass
@@ -546,7 +543,7 @@ class Context:
                 self._n += 1
                 self._table.publish(self._rows, self._n)
                 self._land(step, result)
-                token = self._pick(result, sampler, None)
+                token = self._pick(result, sampler, None, adjust)
                 if ahead is not None and token != _token_of(step):
                     await self._drop_ahead(ahead)  # computed for another token: redo
                     ahead = None
@@ -629,6 +626,8 @@ class Context:
         if step.skipped:
             return
         self.model.counters.fed_back_tokens += 1  # a generation row, not a prompt row
+        if step.sample is not None and step.sample.adjust is not None and step.sampled is not None:
+            step.sample.adjust.discard(step.sampled)  # its draw never became a token
         generator = step.sample.generator if step.sample is not None else None
         if generator is not None and step.rng_state is not None:
             before, after = step.rng_state
@@ -710,9 +709,7 @@ class Context:
         and this context's generator); the matcher and the penalty counts advance past it."""
         drawn = self._sample_hint
         if drawn is not None and matcher is None and drawn[0] is logits and drawn[1] == sampler:
-            self._sample_hint = None  # the runner drew it, penalties applied, in its pass
-            if adjust is not None:
-                adjust.add(drawn[2])
+            self._sample_hint = None  # the runner drew it, penalties applied and counted
             return drawn[2]
         if adjust is not None:
             logits = adjust.apply(logits)  # a new tensor: the runner's argmax hint is not for it

@@ -4,8 +4,9 @@ A context that samples right after a pass (``Context.stream``, before each decod
 the prompt's last chunk) gives its step a ``SampleRequest``. When the pass has its logits,
 ``sample_pass`` (on the forward worker) applies each request's penalties and logit bias to
 its row, samples all the rows in one ``engine.sampling.sample_or_mark`` call (one
-compiled call on the CPU, one device-to-host copy on a GPU) and sets
-``StepInput.sampled``; the context takes that token instead of sampling its row itself.
+compiled call on the CPU, one device-to-host copy on a GPU), counts each drawn token in its
+penalties (so a step submitted ahead of its token, sampled in the next pass, sees it) and
+sets ``StepInput.sampled``; the context takes that token instead of sampling its row itself.
 
 Each row draws its one uniform from its context's own generator, exactly as the context
 would have, so every token is what the context alone would draw (seeded ones included),
@@ -78,6 +79,9 @@ def sample_pass(steps: Sequence[Step], out: Sequence[Any]) -> None:
         return
     for i, token in zip(asked, tokens, strict=True):
         steps[i].sampled = token if token >= 0 else None
+        adjust = _request(steps[i]).adjust
+        if adjust is not None and token >= 0:
+            adjust.add(token)  # counted here, so the next pass's row sees it (see Context._pick)
         state = steps[i].rng_state
         if state is not None:
             steps[i].rng_state = (state[0], _request(steps[i]).generator.get_state())

@@ -101,6 +101,7 @@ class PenaltyState:
     def __init__(self, penalties: Penalties, context_ids: Iterable[int]):
         self.penalties = penalties
         self._seen: dict[int, None] = dict.fromkeys(int(t) for t in context_ids)  # ordered set
+        self._context = frozenset(self._seen)
         self._counts: dict[int, int] = {}
         self._seen_idx: torch.Tensor | None = None  # the rows of ``_seen``, rebuilt when it grows
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -133,6 +134,18 @@ class PenaltyState:
             rows = out.index_select(0, idx) - p.frequency * counts  # OpenAI's formula, in its order
             out.index_copy_(0, idx, rows - p.presence)
         return out
+
+    def discard(self, token: int) -> None:
+        """Undo one ``add(token)`` (a token drawn for a step the generation dropped)."""
+        token = int(token)
+        left = self._counts.get(token, 0) - 1
+        if left > 0:
+            self._counts[token] = left
+            return
+        self._counts.pop(token, None)
+        if token not in self._context and token in self._seen:
+            del self._seen[token]
+            self._seen_idx = None
 
     def add(self, token: int) -> None:
         """``token`` was taken: it counts from the next row on."""

@@ -185,3 +185,31 @@ def test_closing_mid_stream_leaves_no_step_to_write_freed_pages(model):
             model.scheduler.overlap = True
         assert b == solo
         assert after == free
+
+
+def test_seeded_penalised_generations_overlap_and_keep_their_tokens(model):
+    penalties = Penalties(frequency=0.8, presence=0.4, logit_bias=((13, 5.0),))
+
+    async def penalised():
+        jobs = [
+            _generate(model, i, Sampler.top_k(1.0, 40), 10, seed=20 + i, penalties=penalties)
+            for i in range(3)
+        ]
+        return await asyncio.gather(*jobs)
+
+    on, off, overlapped = _both(model, penalised)
+    assert on == off
+    assert overlapped >= 4
+
+
+def test_a_dropped_draw_leaves_the_penalty_counts_as_they_were():
+    from engine.penalties import Penalties as P
+
+    state = P(frequency=1.0, repetition=1.5).start([5, 6])
+    assert state is not None
+    before = (dict(state._counts), list(state._seen))
+    for token in (7, 5, 7):
+        state.add(token)
+    for token in (7, 5, 7):
+        state.discard(token)
+    assert (dict(state._counts), list(state._seen)) == before
