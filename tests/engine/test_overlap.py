@@ -146,7 +146,7 @@ def test_a_context_left_mid_stream_is_usable_at_once(model):
 
 
 def test_penalties_and_plain_rows_share_passes(model):
-    # Penalties keep the per-token loop; they run beside overlapped contexts unchanged.
+    # A penalised greedy generation beside plain ones: the same tokens either way.
     async def mixed():
         jobs = [_generate(model, 6, Sampler.greedy(), 8, penalties=Penalties(repetition=1.3))]
         jobs += [_generate(model, i, Sampler.greedy(), 8) for i in range(2)]
