@@ -40,6 +40,7 @@ from engine.drafting import MAX_DRAFT, Drafter, checked_draft
 from engine.errors import ContextClosedError, ContextLengthExceededError, InvalidRequestError, OutOfPagesError
 from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.grammar import Grammar, GrammarMatcher
+from engine.incremental_text import IncrementalText
 from engine.lora import AdapterStack
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable, rows_key
@@ -1233,7 +1234,11 @@ class _Emission:
         logprobs: int | None,
     ):
         self.ctx, self.cond, self.tracker, self.matcher, self.logprobs = ctx, cond, tracker, matcher, logprobs
-        self.generated: list[int] = []
+        model = ctx.model
+        self._text = IncrementalText(
+            lambda ids: model.detokenize(ids, skip_special_tokens=True), model.byte_fallback_ids
+        )
+        self.generated: list[int] = self._text.ids
         self.emitted = ""
         self.started = self.last = time.perf_counter()
 
@@ -1241,8 +1246,7 @@ class _Emission:
         lp, top = (
             sampling.logprobs_of(logits, token, self.logprobs) if self.logprobs is not None else (None, ())
         )
-        self.generated.append(token)
-        text = self.ctx.model.detokenize(self.generated, skip_special_tokens=True)
+        text = self._text.push(token)  # appends to self.generated
         reason = self.tracker.check(self.generated, text)
         if reason is None and self.matcher is not None and self.matcher.done:
             reason = stopping.StopReason("grammar", text, self.matcher.grammar.kind)
