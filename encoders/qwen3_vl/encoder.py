@@ -32,6 +32,7 @@ from encoders.qwen3_vl.settings import (
     special_tokens,
 )
 from encoders.span import Placeholders, Segment, Text, TextIds, TokenType, build_span
+from encoders.varlen_attention import VarlenKernel, configure_tower, requested_choice
 from media import Image, InvalidRequestError, Video
 
 __all__ = ["FAMILY", "Qwen3VLEncoder"]
@@ -50,6 +51,12 @@ class Qwen3VLEncoder(CheckpointEncoder):
     ``fps`` or ``num_frames``, ``min_frames``, ``max_frames``, ``min_pixels``,
     ``max_pixels`` (the same names as the reference processor's call arguments; they
     override the processor config for that call and are part of the cache key).
+
+    The tower attends all images (or all videos' frames) of an ``encode`` call with one
+    variable-length attention call per layer on CUDA in float16/bfloat16
+    (:mod:`encoders.varlen_attention`); ``varlen_attention`` (``"auto"``, ``"torch"``,
+    ``"flashinfer"``, ``"off"``; default ``$PIE_MEDIA_VISION_VARLEN`` or ``"auto"``) picks
+    the kernel or turns it off. Elsewhere transformers' per-image sdpa stays.
     """
 
     family = FAMILY
@@ -65,8 +72,12 @@ class Qwen3VLEncoder(CheckpointEncoder):
         video: VideoSettings,
         tokens: SpecialTokens,
         tower: torch.nn.Module | None,
+        varlen_attention: str | None = None,
     ):
         super().__init__(checkpoint, tokenizer=tokenizer)
+        self._varlen_choice = requested_choice(varlen_attention)
+        self.varlen_kernel: VarlenKernel | None = None
+        """The variable-length attention kernel the tower uses (None: once per image)."""
         self.image_settings = image
         self.video_settings = video
         self.tokens = tokens
@@ -75,11 +86,18 @@ class Qwen3VLEncoder(CheckpointEncoder):
         self._timestamp_ids = TextIds(tokenizer)
         vision = self.config.get("vision_config") or {}
         self.deepstack_layers = tuple(vision.get("deepstack_visual_indexes") or ())
+        if tower is not None:
+            self._configure_attention(tower)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
     def _from_checkpoint(
-        cls, checkpoint: Checkpoint, *, tower: torch.nn.Module | None = None, load_weights: bool = True
+        cls,
+        checkpoint: Checkpoint,
+        *,
+        tower: torch.nn.Module | None = None,
+        load_weights: bool = True,
+        varlen_attention: str | None = None,
     ) -> Qwen3VLEncoder:
         """Read the processor configs and tokenizer from the checkpoint; build the tower.
 
@@ -87,6 +105,7 @@ class Qwen3VLEncoder(CheckpointEncoder):
         win); otherwise a ``Qwen3VLVisionModel`` is built from ``config["vision_config"]``
         and only the vision weights are read from the checkpoint. ``load_weights=False``
         defers that until the first ``encode`` (prepare-only users never pay for it).
+        ``varlen_attention``: see the class doc.
         """
         image, video = read_settings(checkpoint.model_dir, checkpoint.config)
         tokenizer = load_tokenizer(checkpoint.model_dir)
@@ -97,6 +116,7 @@ class Qwen3VLEncoder(CheckpointEncoder):
             video=video,
             tokens=special_tokens(checkpoint.config, tokenizer),
             tower=tower,
+            varlen_attention=varlen_attention,
         )
         if tower is None and load_weights:
             enc.tower  # noqa: B018 - load now
@@ -108,8 +128,23 @@ class Qwen3VLEncoder(CheckpointEncoder):
         if self._tower is None:
             with self._tower_lock:
                 if self._tower is None:
-                    self._tower = _build_tower(self.model_dir, self.config, self.device, self.dtype)
+                    tower = _build_tower(self.model_dir, self.config, self.device, self.dtype)
+                    self._configure_attention(tower)
+                    self._tower = tower
         return self._tower
+
+    def _configure_attention(self, tower: torch.nn.Module) -> None:
+        """One variable-length attention call per layer where a kernel runs (see
+        :mod:`encoders.varlen_attention`), else transformers' per-image attention."""
+        cfg = tower.config
+        self.varlen_kernel = configure_tower(
+            tower,
+            device=self.device,
+            dtype=self.dtype,
+            head_dim=cfg.hidden_size // cfg.num_heads,
+            choice=self._varlen_choice,
+            what=f"{self.display_name} vision tower ({self.name})",
+        )
 
     # -- planning -----------------------------------------------------------------------
     def image_size_for(self, width: int, height: int, **params: Any) -> tuple[int, int]:
