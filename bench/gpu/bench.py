@@ -16,7 +16,10 @@ are counted as generated):
   first token (p50, p90);
 * transformers ``generate`` on the same weights, one left-padded batch: tokens/s,
   images/s, and its time to first token (a ``max_new_tokens=1`` batch);
-* the vision encoder alone: ours, ms per image.
+* the vision encoder alone: ours, ms per image;
+* the vision tower alone on one pass of 32 images: ms per image with attention once per
+  image per layer (transformers' sdpa path) and with each variable-length kernel usable
+  there (one attention call per layer for all 32; ``encoders/varlen_attention.py``).
 
 Prints a table and the ratios; writes everything as JSON to ``--out``.
 """
@@ -223,6 +226,46 @@ def encoder_ms(model, size: int, device: str, n: int = 8) -> float:
     return 1e3 * (time.perf_counter() - t0) / n
 
 
+def vision_pass_ms(model, size: int, device: str, n: int = 32, reps: int = 3) -> dict:
+    """The vision tower alone on one pass of ``n`` images (prepare excluded): ms per image
+    with transformers' per-image attention and with each variable-length kernel usable here
+    (each warmed up once first: flashinfer's JIT compile, the allocator)."""
+    from encoders import varlen_attention as va
+    from media import Image
+
+    enc = model.encoder
+    tower = enc.tower
+    prepared = [enc.prepare(Image.from_pil(im)) for im in images(n, size, seed=4242)]
+    pixels = torch.cat([p.inputs["pixel_values"] for p in prepared]).to(device=enc.device, dtype=enc.dtype)
+    grid = torch.cat([p.inputs["image_grid_thw"] for p in prepared]).to(enc.device)
+    head_dim = tower.config.hidden_size // tower.config.num_heads
+    modes = {"per image (sdpa)": "sdpa"}
+    out: dict = {"images": n, "rows": int(pixels.shape[0]), "ms_per_image": {}, "unavailable": {}}
+    for name in ("torch", "flashinfer"):
+        try:
+            kernel, _ = va.select_kernel(device, enc.dtype, head_dim, name)
+        except va.VarlenUnavailableError as e:
+            out["unavailable"][name] = str(e)
+            continue
+        modes[f"varlen {name}"] = va.register(kernel)
+    before = tower.config._attn_implementation
+    out["encoder_default"] = before
+    try:
+        for label, attention in modes.items():
+            va.set_attention(tower, attention)
+            with torch.no_grad():
+                tower(pixels, grid_thw=grid)  # warm-up
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    tower(pixels, grid_thw=grid)
+                _sync(device)
+            out["ms_per_image"][label] = 1e3 * (time.perf_counter() - t0) / (reps * n)
+    finally:
+        va.set_attention(tower, before)
+    return out
+
+
 def _equal_lead(a: list[int], b: list[int]) -> int:
     """How many leading tokens two captions share (bfloat16 kernels may part after a while)."""
     n = 0
@@ -323,8 +366,27 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as e:  # noqa: BLE001
                         result["errors"][f"{backend} sampled@{c}"] = f"{type(e).__name__}: {e}"
                 result["ours"][backend + " top-p"] = sampled
+            if backend.endswith("+graphs") or len(backends) == 1:
+                # The scheduler's overlap off (issue 33 part 2): how much of a step the host's
+                # work beside the pass saves, at the lowest and highest concurrency.
+                plain = {}
+                model.scheduler.overlap = False
+                for c in sorted({levels[0], levels[-1]}):
+                    try:
+                        plain[c] = run_ours(model, images(c, size, seed=10 + c), tokens, device)
+                    except Exception as e:  # noqa: BLE001
+                        result["errors"][f"{backend} no-overlap@{c}"] = f"{type(e).__name__}: {e}"
+                model.scheduler.overlap = True
+                result["ours"][backend + " no-overlap"] = plain
             _save_partial(result, args.out)  # a run cut off by its time limit keeps what it measured
             result.setdefault("encoder_ms_per_image", {})[backend] = encoder_ms(model, size, device)
+            if backend == backends[0]:  # the tower does not depend on the text attention backend
+                try:
+                    result["vision_pass"] = vision_pass_ms(
+                        model, size, device, n=4 if args.smoke else 32, reps=1 if args.smoke else 3
+                    )
+                except Exception as e:  # noqa: BLE001
+                    result["errors"]["vision pass"] = f"{type(e).__name__}: {e}"
             del model
             gc.collect()  # the pool goes before the next backend's model loads
             if cuda:
@@ -358,6 +420,17 @@ def main(argv: list[str] | None = None) -> int:
             )
     for backend, ms in result.get("encoder_ms_per_image", {}).items():
         print(f"vision encoder ({backend} model): {ms:.2f} ms per image")
+    vp = result.get("vision_pass")
+    if vp:
+        base = vp["ms_per_image"].get("per image (sdpa)")
+        print(
+            f"vision tower, one pass of {vp['images']} images ({vp['rows']} patch rows; encoder uses {vp['encoder_default']}):"
+        )
+        for label, ms in vp["ms_per_image"].items():
+            ratio = f"  ({base / ms:.2f}x per image)" if base and label != "per image (sdpa)" else ""
+            print(f"  {label:20} {ms:8.3f} ms per image{ratio}")
+        for name, why in vp["unavailable"].items():
+            print(f"  varlen {name}: not run ({why})")
     for k, v in result["errors"].items():
         print(f"ERROR {k}: {v}")
     result["ratios_tok_s"] = ratios
