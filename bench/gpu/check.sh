@@ -94,7 +94,7 @@ PY
   rm -f "$STEPS"
 }
 
-run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/aims.py bench/gpu/profile_decode.py bench/speech.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py bench/quant.py bench/kv_quant.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py tests/speech/test_depth_graphs.py" || { finish broken; exit 2; }
+run_step "scripts parse" bash -c "bash -n bench/gpu/check.sh bench/gpu/fetch_wheels.sh && '$PY' -m py_compile bench/gpu/bench.py bench/gpu/aims.py bench/gpu/profile_decode.py bench/speech.py bench/gpu/gpu_image.py bench/gpu/trim_wheel.py bench/quant.py bench/kv_quant.py tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/speech/test_speech_cuda.py tests/speech/test_depth_graphs.py tests/encoders/test_varlen_attention.py" || { finish broken; exit 2; }
 
 check_wheels() {
   if ! ls "$WHEELS"/flashinfer_python-*.whl >/dev/null 2>&1; then
@@ -156,7 +156,7 @@ if torch.cuda.is_available():
 PY
 }
 run_step "project imports (versions as found)" imports || { finish broken; exit 2; }
-run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py | tail -6"
+run_step "collect the CUDA tests" bash -o pipefail -c "'$PY' -m pytest -q --collect-only -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_attention_flashinfer.py tests/engine/test_decode_graphs.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py tests/encoders/test_varlen_attention.py | tail -6"
 
 if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   RUN_AS_THERE=("$PY")
@@ -164,7 +164,7 @@ if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_a
   # The rehearsal steps are independent: they run side by side (each its own log, printed
   # in order after), which halves the dry run's time on two cores.
   par_step "CPU parts of the CUDA test files, as the GPU image imports them" bash -o pipefail -c \
-    "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py 2>&1 | tail -3"
+    "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py tests/encoders/test_varlen_attention.py 2>&1 | tail -3"
   par_step "GPU bench smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
   par_step "quantized weight layers smoke (CPU: int8/int4, fp8 row-wise on torch's CPU kernel)" \
     "${RUN_AS_THERE[@]}" bench/quant.py --layers-only --device cpu --json "$OUT_DIR/quant_layers_smoke.json"
@@ -196,7 +196,7 @@ if wants tests; then
   run_step "flashinfer JIT compile + backend tests (compile time included)" timeout "$TESTS_S" bash -o pipefail -c \
     "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_attention_flashinfer.py -x 2>&1 | tail -15"
   run_step "CUDA test suite (flashinfer vs torch, bf16/fp16)" timeout "$TESTS_S" bash -o pipefail -c \
-    "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
+    "'$PY' -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py tests/encoders/test_varlen_attention.py --junitxml '$OUT_DIR/cuda_tests.xml' 2>&1 | tail -25"
 fi
 if wants bench; then
   if [ "$QUICK" = 1 ]; then
