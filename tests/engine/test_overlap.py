@@ -213,3 +213,29 @@ def test_a_dropped_draw_leaves_the_penalty_counts_as_they_were():
     for token in (7, 5, 7):
         state.discard(token)
     assert (dict(state._counts), list(state._seen)) == before
+
+
+def test_a_grammar_and_a_drafter_share_passes_with_overlapped_contexts(model):
+    from engine import Grammar, PromptLookupDrafter
+
+    async def constrained():
+        async with Context(model) as ctx:
+            ctx.user(_prompt(9)).cue()
+            g = await ctx.generate(
+                Sampler.greedy(), max_tokens=8, stop=None, grammar=Grammar.regex("[a-z ]{3,12}")
+            )
+            return g.tokens
+
+    async def drafted():
+        async with Context(model) as ctx:
+            ctx.user(_prompt(10) + " the sea the sea the sea").cue()
+            g = await ctx.generate(Sampler.greedy(), max_tokens=10, stop=None, drafter=PromptLookupDrafter())
+            return g.tokens
+
+    async def mixed():
+        return await asyncio.gather(
+            constrained(), drafted(), *(_generate(model, i, Sampler.greedy(), 10) for i in range(3))
+        )
+
+    on, off, overlapped = _both(model, mixed)
+    assert on == off
