@@ -217,15 +217,30 @@ def register(kernel: VarlenKernel) -> str:
     """Register ``kernel`` with transformers' ``AttentionInterface`` (replacing an earlier
     kernel of the same name) and return its name."""
     from transformers import AttentionInterface
-    from transformers.utils.generic import is_flash_attention_requested
 
     name = kernel.attention_name
-    # The name is what makes the tower pass cu_seqlens: checked here, not assumed.
-    assert is_flash_attention_requested(requested_attention_implementation=name), name
+    ok, why = transformers_passes_cu_seqlens(name)
+    if not ok:  # the name is what makes the tower pass cu_seqlens: checked, not assumed
+        raise VarlenUnavailableError(why)
     with _KERNELS_LOCK:
         _KERNELS[name] = kernel
         AttentionInterface.register(name, varlen_attention_forward)
     return name
+
+
+def transformers_passes_cu_seqlens(name: str) -> tuple[bool, str]:
+    """Whether this transformers' packed vision attentions would hand an implementation
+    called ``name`` the ``cu_seqlens`` (they ask ``is_flash_attention_requested``)."""
+    try:
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:
+        return (
+            False,
+            "this transformers has no is_flash_attention_requested (its vision towers pass cu_seqlens only to flash_attention_2)",
+        )
+    if not is_flash_attention_requested(requested_attention_implementation=name):
+        return False, f"this transformers' vision towers would not pass cu_seqlens to {name!r}"
+    return True, ""
 
 
 def set_attention(tower: torch.nn.Module, name: str) -> str:
@@ -299,6 +314,8 @@ def select_kernel(
         why_not.append(f"the tower runs on {device.type}, and the varlen kernels need CUDA")
     elif dtype not in HALF_DTYPES:
         why_not.append(f"the tower runs in {dtype}, and the varlen kernels take float16/bfloat16")
+    elif not transformers_passes_cu_seqlens(NAME_PREFIX + "probe")[0]:
+        why_not.append(transformers_passes_cu_seqlens(NAME_PREFIX + "probe")[1])
     else:
         for name in ("torch", "flashinfer") if choice == "auto" else (choice,):
             ok, why = (

@@ -211,6 +211,9 @@ def test_choice_and_selection(monkeypatch):
         va.requested_choice(None)
     with pytest.raises(va.VarlenUnavailableError, match="varlen_attention"):
         va.requested_choice("yes")
+    # This transformers hands our names the cu_seqlens (and would not hand them to sdpa).
+    assert va.transformers_passes_cu_seqlens(va.NAME_PREFIX + "torch")[0]
+    assert not va.transformers_passes_cu_seqlens("sdpa")[0]
     kernel, why = va.select_kernel("cpu", torch.bfloat16, 64, "off")
     assert kernel is None and "off" in why
     kernel, why = va.select_kernel("cpu", torch.bfloat16, 64, "auto")
