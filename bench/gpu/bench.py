@@ -183,6 +183,35 @@ def run_ours(model, pil_images: list, tokens: int, device: str, sampled: bool = 
     }
 
 
+def decode_only(model, n: int, tokens: int, device: str) -> dict:
+    """Text-only decode at ``n`` contexts: a short prompt each, then ``tokens`` greedy tokens
+    (no EOS stop); tok/s and ms per step over the decode alone (from the last context's
+    first token to the last context's last token)."""
+    from engine import Context, Sampler, max_tokens
+
+    firsts: list[float] = []
+    lasts: list[float] = []
+
+    async def one(i: int) -> None:
+        async with Context(model) as ctx:
+            ctx.user(f"Count slowly from {i} upwards, one number per line.").cue()
+            count = 0
+            async for _ in ctx.stream(Sampler.greedy(), max_tokens(tokens)):
+                count += 1
+                if count == 1:
+                    firsts.append(time.perf_counter())
+            _sync(device)
+            lasts.append(time.perf_counter())
+
+    async def go() -> None:
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+    asyncio.run(go())
+    span = max(lasts) - max(firsts)
+    steps = tokens - 1
+    return {"contexts": n, "tokens": tokens, "tok_s": n * steps / span, "ms_per_step": 1e3 * span / steps}
+
+
 def run_reference(ref, proc, pil_images: list, tokens: int, device: str) -> dict:
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     prompt = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -367,6 +396,20 @@ def main(argv: list[str] | None = None) -> int:
                         result["errors"][f"{backend} sampled@{c}"] = f"{type(e).__name__}: {e}"
                 result["ours"][backend + " top-p"] = sampled
             if backend.endswith("+graphs") or len(backends) == 1:
+                # Decode alone (the issue's decode-only row), overlap on and off.
+                steps = 8 if args.smoke else 128
+                for overlap, key in ((True, "decode_only"), (False, "decode_only_no_overlap")):
+                    model.scheduler.overlap = overlap
+                    for c in sorted({1, levels[-1], 32 if cuda else levels[-1]}):
+                        try:
+                            decode_only(model, c, 4, device)  # warm-up: this batch size's bucket
+                            result.setdefault(key, {})[str(c)] = decode_only(model, c, steps, device)
+                        except Exception as e:  # noqa: BLE001
+                            result["errors"][f"{backend} {key}@{c}"] = f"{type(e).__name__}: {e}"
+                model.scheduler.overlap = True
+                result["decode_only_tok_s"] = {
+                    c: r["tok_s"] for c, r in result.get("decode_only", {}).items()
+                }
                 # The scheduler's overlap off (issue 33 part 2): how much of a step the host's
                 # work beside the pass saves, at the lowest and highest concurrency.
                 plain = {}
@@ -417,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{'ours ' + backend:28} {c:5d} {r['tok_s']:9.1f} {r['img_s']:8.2f} {r['ttft_p50_ms']:12.1f} "
                 f"{ratio:15.2f}x  (first caption: {lead}/{len(hf['first_tokens'])} leading tokens equal)"
+            )
+    for key in ("decode_only", "decode_only_no_overlap"):
+        for c, r in result.get(key, {}).items():
+            print(
+                f"{key + ' (text, greedy)':28} {int(c):5d} {r['tok_s']:9.1f}  {r['ms_per_step']:.2f} ms per step"
             )
     for backend, ms in result.get("encoder_ms_per_image", {}).items():
         print(f"vision encoder ({backend} model): {ms:.2f} ms per image")
