@@ -47,6 +47,8 @@ from engine.page_table import PageTable, rows_key
 from engine.pass_sampling import SampleRequest
 from engine.penalties import Penalties, PenaltyState
 from engine.scheduler import SKIPPED
+from engine.step_timing import start as _phase_start
+from engine.step_timing import stop as _phase_stop
 from engine.tool_calls import tool_call_format
 from media import check_int
 
@@ -464,7 +466,9 @@ class Context:
         events: list[TokenEvent] = []  # the tokens of one pass
 
         def emit(token: int, row: torch.Tensor) -> bool:
+            t0 = _phase_start()
             events.append(gen.emit(token, row))
+            _phase_stop("loop: emit (detokenize, stop checks)", t0)
             return events[-1].done is not None
 
         while True:
@@ -549,13 +553,17 @@ class Context:
                     await self._drop_ahead(ahead)  # computed for another token: redo
                     ahead = None
                 self._append_text([token])
+                t0 = _phase_start()
                 event = gen.emit(token, result)
                 gen.observe(1)
+                _phase_stop("loop: emit (detokenize, stop checks)", t0)
                 if event.done is None:
+                    t0 = _phase_start()
                     cur = ahead if ahead is not None else self._enqueue_decode(request, None)
                     ahead = None
                     if len(gen.generated) + 1 < budget:
                         ahead = self._enqueue_ahead(request, cur.step)
+                    _phase_stop("loop: build and submit the next step", t0)
                 yield event
                 if event.done is not None:
                     return
@@ -1063,8 +1071,11 @@ class Context:
             step_want: LogitsWanted = want if end == total or every else "none"
             if step_want == "last" and end - start > 1:
                 step_want = "last+hidden"  # a prompt, not a decode step: keep its tail too
+            t0 = _phase_start()
             step = self._build_step(start, end, step_want)
-            result = await self.model.scheduler.submit(step)
+            future = self.model.scheduler.enqueue(step)
+            _phase_stop("loop: build and submit the next step", t0)
+            result = await future
             self._n = end
             self._table.publish(self._rows, end)
             if step_want == "last+hidden":

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from engine import sampling_kernel
+from engine import sampling_kernel, step_timing
 from engine.architectures import Architecture, TextInputs
 from engine.attention import AttentionBackend, BatchMeta, SeqMeta
 from engine.errors import InvalidRequestError
@@ -145,8 +145,11 @@ class ForwardRunner:
             return []
         if self.graphs is not None and self.graphs.takes(steps):
             replayed: list = list(self.graphs.run(steps))
+            t0 = step_timing.start()
             sample_pass(steps, replayed)
+            step_timing.stop("worker: sampling (with its device-to-host read)", t0)
             return replayed
+        t_inputs = step_timing.start()
         dev = self.device
         ps = self.pool.page_size
         ids: list[int] = []
@@ -268,6 +271,8 @@ class ForwardRunner:
             (torch.tensor(rows, dtype=torch.long, device=dev), adapter, scale)
             for adapter, scale, rows in lora_rows.values()
         ]
+        step_timing.stop("worker: inputs (indices, encoder, copies)", t_inputs)
+        t_model = step_timing.start()
         with torch.inference_mode(), pass_adapters(lora_table):
             hidden = self.arch.hidden_states(inp, pie_batch=meta)
             want_rows: list[int] = []
@@ -301,6 +306,7 @@ class ForwardRunner:
                 else None
                 for step, seq in zip(steps, seqs, strict=True)
             ]
+        step_timing.stop("worker: model (eager)", t_model)
         self.passes += 1
         self.rows_computed += start
 
@@ -327,13 +333,17 @@ class ForwardRunner:
                 out.append(logits[at : at + n])
                 at += n
         if self.batch_argmax and last_rows:
+            t_argmax = step_timing.start()
             assert logits is not None
             picked = logits  # a decode pass: every row is a "last" step's
             if len(last_rows) != logits.shape[0]:
                 picked = logits[torch.tensor([r for _, r in last_rows], device=logits.device)]
             for (step, _), best in zip(last_rows, picked.argmax(dim=-1).tolist(), strict=True):
                 step.argmax = best
+            step_timing.stop("worker: argmax (with its device-to-host read)", t_argmax)
+        t0 = step_timing.start()
         sample_pass(steps, out)
+        step_timing.stop("worker: sampling (with its device-to-host read)", t0)
         return out
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import step_timing
 from engine.forward import ForwardRunner, StepInput
 
 SKIPPED = object()
@@ -107,7 +109,16 @@ class Scheduler:
         queued now: a cancelled step's pages can then be released (nothing writes them)."""
         await asyncio.get_running_loop().run_in_executor(self._executor, _nothing)
 
-    def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
+    def _run(self, steps: list[StepInput], ended: list[float] | None = None) -> list[torch.Tensor | None]:
+        t0 = step_timing.start()
+        try:
+            return self._run_locked(steps)
+        finally:
+            step_timing.stop("worker: pass (whole)", t0)
+            if ended is not None:
+                ended.append(time.perf_counter())
+
+    def _run_locked(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
             live = []
             for step in steps:
@@ -153,7 +164,7 @@ class Scheduler:
         return bool(followed) and all(id(s) in followed or f.done() for s, f in running)
 
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
-        running: deque[tuple[list[tuple[StepInput, asyncio.Future]], asyncio.Future]] = deque()
+        running: deque[tuple[list[tuple[StepInput, asyncio.Future]], asyncio.Future, list[float]]] = deque()
         try:
             await asyncio.sleep(0)  # let every ready task submit its step first
             while True:
@@ -170,7 +181,10 @@ class Scheduler:
                     if running:
                         self.stats.overlapped_passes += 1
                     steps = [s for s, _ in batch]
-                    running.append((batch, loop.run_in_executor(self._executor, self._run, steps)))
+                    ended: list[float] = []
+                    running.append(
+                        (batch, loop.run_in_executor(self._executor, self._run, steps, ended), ended)
+                    )
                 if not running:
                     if not self._pending.get(loop):
                         break
@@ -180,7 +194,7 @@ class Scheduler:
                         if step.after is not None and not step.after.dispatched:
                             step.after.skipped = step.after.dispatched = True
                     continue
-                batch, pending = running.popleft()
+                batch, pending, ended = running.popleft()
                 try:
                     results = await pending
                 except Exception as e:  # a failed pass fails the steps in it, not the loop
@@ -188,12 +202,18 @@ class Scheduler:
                         if not f.done():
                             f.set_exception(e)
                     continue
+                if ended and step_timing.TIMING.on:
+                    step_timing.TIMING.add(
+                        "loop: hop from the worker's pass end", time.perf_counter() - ended[0]
+                    )
+                t0 = step_timing.start()
                 self.stats.passes += 1
                 self.stats.steps += len(batch)
                 self.stats.max_steps_in_pass = max(self.stats.max_steps_in_pass, len(batch))
                 for (_, f), r in zip(batch, results, strict=True):
                     if not f.done():
                         f.set_result(r)
+                step_timing.stop("loop: hand results to the contexts", t0)
                 # Let the steps just answered run to their next submission before the next
                 # cut: without this, streams that are out of phase by one pass ping-pong
                 # (each pass serving one of them) instead of sharing passes.
