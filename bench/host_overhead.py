@@ -200,6 +200,29 @@ def measure(model, n: int, steps: int, rounds: int, modes: tuple[bool, ...] = (T
     return out
 
 
+def breakdown(model, n: int, steps: int, sampled: bool) -> dict[str, Any]:
+    """Milliseconds per pass in each phase ``engine.step_timing`` names, over one generation
+    of ``WARM + steps`` tokens per context (prompt prefill included, a few passes), and the
+    event loop's CPU time per pass besides those phases (asyncio, the streams' consumers)."""
+    from engine.step_timing import TIMING
+
+    passes = model.scheduler.stats.passes
+    with TIMING.recording():
+        t0 = time.thread_time()
+        asyncio.run(generate(model, n, WARM + steps, sampled))
+        loop_cpu = time.thread_time() - t0
+    passes = model.scheduler.stats.passes - passes
+    out = TIMING.per_pass(passes)
+    # The hop is waiting (for the GIL, the loop's wake-up, or the loop busy with the pass
+    # before), not the loop's CPU: the rest is its CPU time less the phases it runs.
+    loop_phases = sum(v for k, v in out.items() if k.startswith("loop:") and "hop" not in k)
+    out["loop: the rest of its CPU time (asyncio, consumers)"] = round(
+        1e3 * loop_cpu / passes - loop_phases, 4
+    )
+    out["passes"] = passes
+    return out
+
+
 def _set_overlap(model, on: bool) -> None:
     if hasattr(model.scheduler, "overlap"):  # an engine from before the overlap: always off
         model.scheduler.overlap = on
@@ -242,6 +265,15 @@ def main() -> None:
     for n in counts:
         result["stand_in"][str(n)] = row = measure(model, n, args.steps, args.rounds, modes)
         print(f"stand-in forward, {n:4d} contexts: {row}", flush=True)
+    if hasattr(model.scheduler, "overlap"):  # an engine with engine.step_timing
+        result["breakdown_ms_per_pass"] = {}
+        for n in counts:
+            for kind in ("greedy", "top_p"):
+                rows = breakdown(model, n, args.steps, kind == "top_p")
+                result["breakdown_ms_per_pass"][f"{kind}@{n}"] = rows
+                print(f"where a pass goes, stand-in forward, {kind}, {n} contexts:")
+                for name, ms in rows.items():
+                    print(f"    {name:60} {ms}")
     if args.real:
         result["real"] = {}
         model = load(real=True, max_contexts=max(counts))
