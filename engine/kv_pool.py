@@ -190,6 +190,7 @@ class KVPool:
         self._key_of: dict[int, PageKey] = {}
         self._page_of: dict[PageKey, int] = {}
         self._tails: OrderedDict[PageKey, _Tail] = OrderedDict()  # LRU first
+        self._cache_limit: int | None = None
 
     # -- storage --------------------------------------------------------------------------
     def storage_layer(self, layer: int) -> int:
@@ -348,6 +349,25 @@ class KVPool:
                         self._cached[p] = None
                     else:
                         self._free.append(p)
+            self._trim_cached()
+
+    def set_cache_limit(self, pages: int | None) -> int | None:
+        """Keep at most ``pages`` cached pages (refcount 0, still findable), the least
+        recently used going back to the free pages now and as more are released; None: as
+        many as the pool holds (the default). Returns the limit it replaces. A batch job of
+        distinct media sets a small one while it runs: its pages would never be found
+        again, and kept they would make the whole pool resident page by page."""
+        with self._lock:
+            old = self._cache_limit
+            self._cache_limit = None if pages is None else check_int("pages", pages, min=0)
+            self._trim_cached()
+            return old
+
+    def _trim_cached(self) -> None:
+        while self._cache_limit is not None and len(self._cached) > self._cache_limit:
+            page, _ = self._cached.popitem(last=False)
+            self._forget(page)
+            self._free.append(page)
 
     # -- content addressing -----------------------------------------------------------------
     def lookup(self, key: PageKey) -> int | None:

@@ -239,9 +239,10 @@ class CaptionItems:
         torch.set_num_threads(1)
         self.model = load_model(model_ref)
         freeze_startup_heap()
-        from api.batch.job import _stop_encoder_cache
+        from api.batch.job import _limit_kv_cache, _stop_encoder_cache
 
         _stop_encoder_cache(self.model)  # as the single-process job: distinct samples
+        _limit_kv_cache(self.model)
         self.spec = spec
         self.settings = spec.settings(self.model.name)
 

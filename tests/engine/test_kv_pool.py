@@ -56,6 +56,25 @@ def test_refcounts_and_published_pages_stay_findable_until_evicted():
         pool.decref([p, p])
 
 
+def test_a_cache_limit_frees_the_least_recently_used_cached_pages_first():
+    pool = _pool()
+    pages = pool.allocate(3)
+    keys = [page_key(None, [i] * 4, [None] * 4, [(0,), (1,), (2,), (3,)]) for i in range(3)]
+    for p, k in zip(pages, keys, strict=True):
+        pool.register(p, k)
+    pool.decref(pages)
+    assert pool.stats().cached == 3
+    assert pool.set_cache_limit(2) is None  # the oldest cached page is freed now
+    assert pool.lookup(keys[0]) is None and pool.stats().cached == 2
+    assert pool.allocate(1) == [pages[0]]  # and is the next page handed out
+    assert pool.set_cache_limit(0) == 2 and pool.stats().cached == 0 and pool.lookup(keys[2]) is None
+    pool.set_cache_limit(None)
+    (p,) = pool.allocate(1)
+    pool.register(p, keys[1])
+    pool.decref([p])
+    assert pool.stats().cached == 1  # no limit: cached until evicted
+
+
 def test_register_converges_on_one_page():
     pool = _pool()
     a, b = pool.allocate(2)

@@ -158,3 +158,35 @@ def test_in_process_job_matches_engine_and_dedups(tmp_path, tiny):
     assert s2.skipped == 0 and s2.captioned == 3
     s3 = run_caption_job([folder], out, model=tiny, max_tokens=4, concurrency=3, progress=False)
     assert s3.skipped == 6 and s3.earlier_errors == 2 and s3.captioned == 0
+
+
+def test_a_job_keeps_few_cached_kv_pages_and_gives_the_limit_back(tmp_path, tiny, monkeypatch):
+    """A job's distinct images' KV pages go back to the free pages as they are released
+    (``JOB_CACHED_KV_PAGES``), not into the prefix cache, whose growth made the pool
+    resident page by page; the pool's own limit (none) is back after the job."""
+    import api.batch.job as job
+
+    rng = np.random.default_rng(7)
+
+    def images(folder: Path) -> Path:
+        folder.mkdir()
+        for i in range(3):
+            pixels = rng.integers(0, 256, size=(224, 224, 3), dtype=np.uint8)
+            PILImage.fromarray(pixels).save(folder / f"{i}.png")
+        return folder
+
+    tiny.pool.set_cache_limit(0)  # start with nothing cached
+    tiny.pool.set_cache_limit(None)
+    monkeypatch.setattr(job, "JOB_CACHED_KV_PAGES", None)  # no limit: the pages stay cached
+    run_caption_job([images(tmp_path / "a")], tmp_path / "a.jsonl", model=tiny, max_tokens=2, progress=False)
+    unlimited = tiny.pool_stats().cached
+    assert unlimited >= 6  # two full pages of image rows each, at least
+
+    monkeypatch.setattr(job, "JOB_CACHED_KV_PAGES", 2)
+    s = run_caption_job(
+        [images(tmp_path / "b")], tmp_path / "b.jsonl", model=tiny, max_tokens=2, progress=False
+    )
+    assert s.captioned == 3
+    stats = tiny.pool_stats()
+    assert stats.cached <= 2 and stats.in_use == 0
+    assert tiny.pool.set_cache_limit(None) is None  # the job gave the pool's limit back
