@@ -204,7 +204,8 @@ class Scheduler:
                     continue
                 if ended and step_timing.TIMING.on:
                     step_timing.TIMING.add(
-                        "loop: hop from the worker's pass end", time.perf_counter() - ended[0]
+                        "loop: hop from the worker's pass end (waits included)",
+                        time.perf_counter() - ended[0],
                     )
                 t0 = step_timing.start()
                 self.stats.passes += 1

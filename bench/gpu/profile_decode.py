@@ -187,6 +187,40 @@ def print_table(r: dict) -> None:
     print(f"  verdict: {r['verdict']}")
 
 
+def breakdown(model, concurrency: int, steps: int, device: str) -> dict:
+    """Without the profiler: milliseconds per decode pass in each host phase that
+    ``engine.step_timing`` names (both threads), and the wall time per pass, at this
+    concurrency (prefill and a warm-up first, off the record)."""
+    from engine import Context
+    from engine.step_timing import TIMING
+
+    async def go() -> dict:
+        contexts = [Context(model) for _ in range(concurrency)]
+        try:
+            for i, ctx in enumerate(contexts):
+                ctx.user(_prompt(i)).cue()
+            await asyncio.gather(*(c.flush() for c in contexts))
+            await _decode(model, contexts, 3)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            passes0 = model.scheduler.stats.passes
+            with TIMING.recording():
+                t0 = time.perf_counter()
+                await _decode(model, contexts, steps)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            passes = model.scheduler.stats.passes - passes0
+        finally:
+            for c in contexts:
+                c.close()
+        out = {"wall_ms_per_pass": round(1e3 * wall / max(1, passes), 4), "passes": passes}
+        out.update(TIMING.per_pass(passes))
+        return out
+
+    return asyncio.run(go())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU rehearsal: tiny shapes, few steps")
@@ -230,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         result = profile(
             model, concurrency, steps, warmup=3, device=device, trace=args.out / f"decode_trace{tag}.json"
         )
+        result["breakdown_ms_per_pass"] = {}
+        for c in sorted({1, concurrency}):  # issue 33 part 1: where a step goes, at 1 and 32
+            for overlap in (True, False):
+                model.scheduler.overlap = overlap
+                key = f"{c}" if overlap else f"{c} no-overlap"
+                result["breakdown_ms_per_pass"][key] = breakdown(model, c, steps * 2, device)
+            model.scheduler.overlap = True
     result.update(
         backend=backend,
         cuda_graphs=graphs,
@@ -237,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         shapes="Qwen3-VL-2B" if cuda else "tiny (smoke)",
     )
     print_table(result)
+    for key, rows in result["breakdown_ms_per_pass"].items():
+        print(f"\nwhere a pass goes (ms per pass), concurrency {key}:")
+        for name, ms in rows.items():
+            print(f"    {name:60} {ms}")
     out = args.out / (f"decode_profile{tag}.json" if cuda else "decode_profile_smoke.json")
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
