@@ -83,6 +83,12 @@ def load(real: bool, max_contexts: int):
     ctx.close()
     if not real:
         model.runner.arch = StandInModel(model.runner.arch, row, max_contexts)
+    # As `pie-media serve` does after start-up (engine.startup_heap): without it the oldest
+    # generation's collections walk torch's and transformers' ~500k objects now and then,
+    # a pause that lands on whichever step allocates at that moment.
+    from engine.startup_heap import freeze_startup_heap
+
+    freeze_startup_heap()
     return model
 
 
