@@ -17,9 +17,10 @@ How it is measured, so that both paths meet the same conditions:
   any drift within the process fall on both alike; the median of each path's runs;
 - memory: each path also runs once in a fresh process of its own after the same warm-up
   (``--rss-path``), so neither meets a heap or a KV pool another run has already grown.
-  RSS is reported whole and less the KV pool's pages in use for the first time: the pool
-  (256 MiB on the CPU) is allocated at load and becomes resident page by page as the
-  prefix cache fills with the images' pages; its growth stops at the pool's size.
+  RSS is sampled as each shard ends and at its peak (every 50 ms), whole and less the KV
+  pool's pages used for the first time: the pool (256 MiB on the CPU) is allocated at
+  load and becomes resident page by page as pages are first used (the job keeps at most
+  ``JOB_CACHED_KV_PAGES`` cached, so its images' pages do not fill it).
 
     .venv/bin/python -m bench.dataset_captions [--images 2000] [--shards 8] [--max-tokens 8]
 
