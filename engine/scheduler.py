@@ -109,16 +109,16 @@ class Scheduler:
         queued now: a cancelled step's pages can then be released (nothing writes them)."""
         await asyncio.get_running_loop().run_in_executor(self._executor, _nothing)
 
-    def _run(self, steps: list[StepInput], ended: list[float] | None = None) -> list[torch.Tensor | None]:
+    def _run_timed(self, steps: list[StepInput], ended: list[float]) -> list[torch.Tensor | None]:
+        """``_run`` on the worker, noting when it ended (``engine.step_timing``'s hop)."""
         t0 = step_timing.start()
         try:
-            return self._run_locked(steps)
+            return self._run(steps)
         finally:
             step_timing.stop("worker: pass (whole)", t0)
-            if ended is not None:
-                ended.append(time.perf_counter())
+            ended.append(time.perf_counter())
 
-    def _run_locked(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
+    def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
             live = []
             for step in steps:
@@ -183,7 +183,7 @@ class Scheduler:
                     steps = [s for s, _ in batch]
                     ended: list[float] = []
                     running.append(
-                        (batch, loop.run_in_executor(self._executor, self._run, steps, ended), ended)
+                        (batch, loop.run_in_executor(self._executor, self._run_timed, steps, ended), ended)
                     )
                 if not running:
                     if not self._pending.get(loop):
