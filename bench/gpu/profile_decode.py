@@ -59,21 +59,28 @@ async def _decode(model, contexts, steps: int) -> None:
     await asyncio.gather(*(one(c) for c in contexts))
 
 
+async def _ready_contexts(model, concurrency: int, warmup: int, device: str) -> list:
+    """``concurrency`` contexts, each prompted, prefilled and ``warmup`` tokens into a
+    decode (JIT, allocator, plans: off the record)."""
+    from engine import Context
+
+    contexts = [Context(model) for _ in range(concurrency)]
+    for i, ctx in enumerate(contexts):
+        ctx.user(_prompt(i)).cue()
+    await asyncio.gather(*(c.flush() for c in contexts))
+    await _decode(model, contexts, warmup)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return contexts
+
+
 def profile(model, concurrency: int, steps: int, warmup: int, device: str, trace: Path | None) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from engine import Context
-
     async def go() -> dict:
-        contexts = [Context(model) for _ in range(concurrency)]
+        contexts = await _ready_contexts(model, concurrency, warmup, device)
         try:
-            for i, ctx in enumerate(contexts):
-                ctx.user(_prompt(i)).cue()
-            await asyncio.gather(*(c.flush() for c in contexts))
-            await _decode(model, contexts, warmup)  # JIT, allocator, plans: off the record
-            if device == "cuda":
-                torch.cuda.synchronize()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
             # The passes run on the model's forward worker thread, and the profiler records
             # host ops on the thread that starts it: make, start and stop it there.
@@ -191,18 +198,11 @@ def breakdown(model, concurrency: int, steps: int, device: str) -> dict:
     """Without the profiler: milliseconds per decode pass in each host phase that
     ``engine.step_timing`` names (both threads), and the wall time per pass, at this
     concurrency (prefill and a warm-up first, off the record)."""
-    from engine import Context
     from engine.step_timing import TIMING
 
     async def go() -> dict:
-        contexts = [Context(model) for _ in range(concurrency)]
+        contexts = await _ready_contexts(model, concurrency, 3, device)
         try:
-            for i, ctx in enumerate(contexts):
-                ctx.user(_prompt(i)).cue()
-            await asyncio.gather(*(c.flush() for c in contexts))
-            await _decode(model, contexts, 3)
-            if device == "cuda":
-                torch.cuda.synchronize()
             passes0 = model.scheduler.stats.passes
             with TIMING.recording():
                 t0 = time.perf_counter()
