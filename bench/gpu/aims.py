@@ -1,5 +1,6 @@
-"""The last table of the GPU check: every aim of issue 33 that the check's outputs can
-judge, the measured figure, and whether it is met. Reads OUT_DIR/gpu_bench.json, the
+"""The last table of the GPU check: every aim of issue 33 (and issue 32's speech aims)
+that the check's outputs can judge, the measured figure, and whether it is met. Reads
+OUT_DIR/gpu_bench.json, the CSM-1B speech bench (OUT_DIR/speech_gpu_csm1b.json), the
 quantized layers (OUT_DIR/quant_layers_cuda.json, bench/quant.py --layers-only) and fp8 KV
 vs bf16 KV (OUT_DIR/kv_quant_cuda.json, bench/kv_quant.py); in a dry run their CPU smoke
 files (quant_layers_smoke.json, kv_quant_smoke.json), whose figures are shown but not
@@ -92,7 +93,7 @@ def aims(out_dir: Path, bench_file: Path | None = None) -> list[dict]:
     for row in table:
         row["backend"] = backend
         row["device"] = bench.get("device")
-    table += quant_aims(out_dir) + kv_aims(out_dir)
+    table += quant_aims(out_dir) + kv_aims(out_dir) + speech_aims(out_dir)
     return table
 
 
@@ -170,10 +171,62 @@ def kv_aims(out_dir: Path) -> list[dict]:
     return rows
 
 
+def speech_aims(out_dir: Path) -> list[dict]:
+    """Issue 32's aims from the CSM-1B-shaped speech bench (``speech_gpu_csm1b.json``, bf16 on
+    the card): one request's first audio and real-time factor, 32 at once (aggregate audio
+    seconds per second, TTFA p99), 8 at once against transformers one after another, and
+    the greedy codes' parity with transformers."""
+    data, judged = _load_first(out_dir, "speech_gpu_csm1b.json")
+    model = (data.get("models") or {}).get("csm-1b", {})
+    levels = model.get("concurrency", {})
+    device = (data.get("machine") or {}).get("device")
+    rows: list[dict] = []
+
+    def cell(c: str, side: str = "batched") -> dict:
+        return (levels.get(c) or {}).get(side) or {}
+
+    def add(aim: str, figure: float | None, unit: str, ok: bool | None) -> None:
+        met = ok if judged and figure is not None else None
+        rows.append({"aim": aim, "figure": figure, "unit": unit, "met": met, "device": device})
+
+    ttfa = cell("1").get("ttfa_p50_s")
+    ttfa_ms = None if ttfa is None else 1e3 * ttfa
+    add(
+        "speech, 1 request: first audio <= 80 ms (CSM-1B, bf16)",
+        ttfa_ms,
+        "ms",
+        None if ttfa_ms is None else ttfa_ms <= 80,
+    )
+    rtf = cell("1").get("real_time_factor")
+    add("speech, 1 request: real-time factor <= 0.1", rtf, "", None if rtf is None else rtf <= 0.1)
+    agg = cell("32").get("agg")
+    add("speech, 32 at once: >= 50x real time together", agg, "x", None if agg is None else agg >= 50)
+    p99 = cell("32").get("ttfa_p99_s")
+    p99_ms = None if p99 is None else 1e3 * p99
+    add("speech, 32 at once: TTFA p99 <= 300 ms", p99_ms, "ms", None if p99_ms is None else p99_ms <= 300)
+    ours, ref = cell("8").get("agg"), cell("8", "transformers").get("agg")
+    ratio = ours / ref if ours and ref else None
+    add(
+        "speech, 8 at once: >= 10x transformers one after another",
+        ratio,
+        "x",
+        None if ratio is None else ratio >= 10,
+    )
+    parity = model.get("parity") or {}
+    equal = parity.get("codes_equal")
+    add(
+        f"speech greedy codes equal transformers (of {parity.get('codes', '?')})",
+        equal,
+        "codes",
+        None if equal is None else bool(parity.get("all_equal")),
+    )
+    return rows
+
+
 def main(argv: list[str]) -> int:
     out_dir = Path(argv[1] if len(argv) > 1 else "bench/results")
     table = aims(out_dir, Path(argv[2]) if len(argv) > 2 else None)
-    print(f"\n{'aim (issue 33)':78} {'measured':>14}  met  device")
+    print(f"\n{'aim (issues 33 and 32)':78} {'measured':>14}  met  device")
     for row in table:
         fig = "not measured" if row["figure"] is None else f"{row['figure']:.3f} {row['unit']}".strip()
         met = {True: "yes", False: "NO", None: "-"}[row["met"]]
