@@ -207,23 +207,32 @@ def measure(model, n: int, steps: int, rounds: int, modes: tuple[bool, ...] = (T
 
 
 def breakdown(model, n: int, steps: int, sampled: bool) -> dict[str, Any]:
-    """Milliseconds per pass in each phase ``engine.step_timing`` names, over one generation
-    of ``WARM + steps`` tokens per context (prompt prefill included, a few passes), and the
-    event loop's CPU time per pass besides those phases (asyncio, the streams' consumers)."""
+    """Milliseconds per decode pass in each phase ``engine.step_timing`` names, and the
+    event loop's CPU time per pass besides those phases (asyncio, the streams' consumers):
+    a generation of ``WARM + steps`` tokens per context less one of ``WARM`` (prompt,
+    prefill and set-up cancel out), as the other figures are taken."""
     from engine.step_timing import TIMING
 
-    passes = model.scheduler.stats.passes
-    with TIMING.recording():
-        t0 = time.thread_time()
-        asyncio.run(generate(model, n, WARM + steps, sampled))
-        loop_cpu = time.thread_time() - t0
-    passes = model.scheduler.stats.passes - passes
-    out = TIMING.per_pass(passes)
+    def record(tokens: int) -> tuple[dict[str, float], float, int]:
+        passes = model.scheduler.stats.passes
+        with TIMING.recording():
+            t0 = time.thread_time()
+            asyncio.run(generate(model, n, tokens, sampled))
+            loop_cpu = time.thread_time() - t0
+        return dict(TIMING.seconds), loop_cpu, model.scheduler.stats.passes - passes
+
+    short, short_cpu, short_passes = record(WARM)
+    long, long_cpu, long_passes = record(WARM + steps)
+    passes = max(1, long_passes - short_passes)
+    out = {
+        name: round(1e3 * (long.get(name, 0.0) - short.get(name, 0.0)) / passes, 4)
+        for name in sorted(long, key=lambda k: short.get(k, 0.0) - long[k])
+    }
     # The hop is waiting (for the GIL, the loop's wake-up, or the loop busy with the pass
     # before), not the loop's CPU: the rest is its CPU time less the phases it runs.
     loop_phases = sum(v for k, v in out.items() if k.startswith("loop:") and "hop" not in k)
     out["loop: the rest of its CPU time (asyncio, consumers)"] = round(
-        1e3 * loop_cpu / passes - loop_phases, 4
+        1e3 * (long_cpu - short_cpu) / passes - loop_phases, 4
     )
     out["passes"] = passes
     return out
