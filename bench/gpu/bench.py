@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             if backend.endswith("+graphs") or len(backends) == 1:
                 # Decode alone (the decode-only row), overlap on and off.
                 steps = 8 if args.smoke else 128
+                default_overlap = model.scheduler.overlap
                 for overlap, key in ((True, "decode_only"), (False, "decode_only_no_overlap")):
                     model.scheduler.overlap = overlap
                     for c in sorted({1, levels[-1], 32 if cuda else levels[-1]}):
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                             result.setdefault(key, {})[str(c)] = decode_only(model, c, steps, device)
                         except Exception as e:  # noqa: BLE001
                             result["errors"][f"{backend} {key}@{c}"] = f"{type(e).__name__}: {e}"
-                model.scheduler.overlap = True
+                model.scheduler.overlap = default_overlap
                 result["decode_only_tok_s"] = {
                     c: r["tok_s"] for c, r in result.get("decode_only", {}).items()
                 }
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                         plain[c] = run_ours(model, images(c, size, seed=10 + c), tokens, device)
                     except Exception as e:  # noqa: BLE001
                         result["errors"][f"{backend} no-overlap@{c}"] = f"{type(e).__name__}: {e}"
-                model.scheduler.overlap = True
+                model.scheduler.overlap = default_overlap
                 result["ours"][backend + " no-overlap"] = plain
             _save_partial(result, args.out)  # a run cut off by its time limit keeps what it measured
             result.setdefault("encoder_ms_per_image", {})[backend] = encoder_ms(model, size, device)

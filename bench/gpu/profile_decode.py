@@ -265,12 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             model, concurrency, steps, warmup=3, device=device, trace=args.out / f"decode_trace{tag}.json"
         )
         result["breakdown_ms_per_pass"] = {}
+        default_overlap = model.scheduler.overlap
         for c in sorted({1, concurrency}):  # issue 33 part 1: where a step goes, at 1 and 32
             for overlap in (True, False):
                 model.scheduler.overlap = overlap
                 key = f"{c}" if overlap else f"{c} no-overlap"
                 result["breakdown_ms_per_pass"][key] = breakdown(model, c, steps * 2, device)
-            model.scheduler.overlap = True
+        model.scheduler.overlap = default_overlap
     result.update(
         backend=backend,
         cuda_graphs=graphs,

@@ -5,7 +5,7 @@ Whatever the overlap does, the tokens are the plain loop's: greedy ones, seeded 
 ones (alone and sharing passes), a stop mid-pass ends exactly there with the last token
 pending, a seeded generator gets back the draw of a step computed in vain, and a context
 left mid-stream can be used again at once. Each case runs with the overlap on and off
-on the same model (``Scheduler.overlap``)."""
+on the same model (``Scheduler.overlap``; on by default only on CUDA)."""
 
 from __future__ import annotations
 
@@ -177,14 +177,28 @@ def test_closing_mid_stream_leaves_no_step_to_write_freed_pages(model):
         await model.scheduler.pass_over()
         return solo, b, free, model.pool.available()
 
+    saved = model.scheduler.overlap
     for overlap in (True, False):
         model.scheduler.overlap = overlap
         try:
             solo, b, free, after = asyncio.run(run())
         finally:
-            model.scheduler.overlap = True
+            model.scheduler.overlap = saved
         assert b == solo
         assert after == free
+
+
+def test_the_overlap_is_on_for_cuda_off_on_the_cpu_unless_forced(monkeypatch):
+    import torch
+
+    from engine.scheduler import overlap_default
+
+    monkeypatch.delenv("PIE_MEDIA_OVERLAP", raising=False)
+    assert overlap_default(torch.device("cuda")) and not overlap_default(torch.device("cpu"))
+    monkeypatch.setenv("PIE_MEDIA_OVERLAP", "1")
+    assert overlap_default(torch.device("cpu"))
+    monkeypatch.setenv("PIE_MEDIA_OVERLAP", "0")
+    assert not overlap_default(torch.device("cuda"))
 
 
 def test_seeded_penalised_generations_overlap_and_keep_their_tokens(model):
