@@ -87,6 +87,9 @@ class MetricsSnapshot:
     """Tokens proposed for verification: drafters' guesses and a grammar's forced tokens."""
     accepted_draft_tokens: int = 0
     """Those the model's own choice agreed with (kept without a pass of their own)."""
+    overlapped_passes: int = 0
+    """Passes handed to the forward worker while the one before still ran (the scheduler's
+    overlap, ``engine.scheduler``)."""
 
     @property
     def mean_steps_per_pass(self) -> float:

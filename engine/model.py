@@ -332,6 +332,7 @@ class Model:
             passes=sched.passes,
             steps=sched.steps,
             max_steps_in_pass=sched.max_steps_in_pass,
+            overlapped_passes=sched.overlapped_passes,
             rows_computed=self.runner.rows_computed,
             pages_used=pool.in_use,
             pages_shared=pool.shared,

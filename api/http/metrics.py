@@ -52,6 +52,12 @@ class _EngineCollector(Collector):
         steps = CounterMetricFamily(
             "pie_media_engine_steps", "Context steps served by those passes", labels=["model"]
         )
+        overlapped = CounterMetricFamily(
+            "pie_media_engine_overlapped_passes",
+            "Passes handed to the forward worker while the one before still ran (decode steps "
+            "submitted ahead of their tokens; on by default on CUDA, PIE_MEDIA_OVERLAP)",
+            labels=["model"],
+        )
         engine_tokens = CounterMetricFamily(
             "pie_media_engine_tokens", "Tokens the engine computed, by kind", labels=["model", "kind"]
         )
@@ -87,12 +93,13 @@ class _EngineCollector(Collector):
             cache_bytes.add_metric([served.name, "prepared"], m.prepared_cache_bytes)
             passes.add_metric([served.name], m.passes)
             steps.add_metric([served.name], m.steps)
+            overlapped.add_metric([served.name], m.overlapped_passes)
             engine_tokens.add_metric([served.name, "prompt"], m.prompt_tokens)
             engine_tokens.add_metric([served.name, "generated"], m.generated_tokens)
             drafts.add_metric([served.name, "proposed"], m.drafted_tokens)
             drafts.add_metric([served.name, "accepted"], m.accepted_draft_tokens)
         yield from (in_flight, capacity, pages, contexts, kv_rows, cache, cache_bytes, passes, steps)
-        yield from (engine_tokens, drafts)
+        yield from (engine_tokens, drafts, overlapped)
         yield from speech.families()
 
 
