@@ -39,17 +39,6 @@ class StepTiming:
             self.seconds[name] += seconds
             self.counts[name] += 1
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        if not self.on:
-            yield
-            return
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - t0)
-
     def reset(self) -> None:
         with self._lock:
             self.seconds.clear()
