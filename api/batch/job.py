@@ -76,15 +76,10 @@ async def caption_job_async(
 ) -> JobSummary:
     settings = spec.settings(model.name)
     summary = JobSummary(torn_bytes=sink.torn_bytes, shards=len(shards))
-    todo = []
-    for s in shards:
-        done = sink.ledger.done.get(s.id)
-        if done is None:
-            todo.append(s)
-        else:
-            summary.shards_skipped += 1
-            summary.skipped += int(done.get("samples", 0))
-            summary.earlier_errors += int(done.get("errors", 0))
+    todo, finished = sink.ledger.unfinished(shards)
+    summary.shards_skipped = finished.shards
+    summary.skipped = finished.samples
+    summary.earlier_errors = finished.errors
     counted = all(s.kind == "files" for s in shards)
     total = sum(len(s.names) for s in shards) if counted else None
     summary.total = summary.skipped

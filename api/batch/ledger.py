@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from api.batch.journal import JournalWriter, cut_torn_tail, iter_records
 
@@ -86,6 +86,18 @@ def load_index(
     return index
 
 
+@dataclass
+class FinishedShards:
+    """Shards a ledger says are finished: how many, and their samples and errors."""
+
+    shards: int = 0
+    samples: int = 0
+    errors: int = 0
+
+
+_S = TypeVar("_S")
+
+
 class Ledger:
     def __init__(self, path: Path, fingerprint: str):
         self.path = path
@@ -96,6 +108,21 @@ class Ledger:
             if line.get("fingerprint") == fingerprint and isinstance(line.get("shard"), str):
                 self.done[line["shard"]] = line
         self._writer: JournalWriter | None = None
+
+    def unfinished(self, shards: Iterable[_S]) -> tuple[list[_S], FinishedShards]:
+        """The shards (anything with an ``id``) not finished under this fingerprint, in
+        order, and what the finished ones held."""
+        todo: list[_S] = []
+        finished = FinishedShards()
+        for shard in shards:
+            done = self.done.get(shard.id)
+            if done is None:
+                todo.append(shard)
+            else:
+                finished.shards += 1
+                finished.samples += int(done.get("samples", 0))
+                finished.errors += int(done.get("errors", 0))
+        return todo, finished
 
     def finish(self, shard: str, samples: int, errors: int) -> None:
         if self._writer is None:

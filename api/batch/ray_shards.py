@@ -297,15 +297,9 @@ def caption_shards_with_ray(
     summary = ShardRunSummary(shards=len(shards), replicas=replicas)
     t0 = time.perf_counter()
     try:
-        todo = []
-        for s in shards:
-            done = sink.ledger.done.get(s.id)
-            if done is None:
-                todo.append(s)
-            else:
-                summary.shards_skipped += 1
-                summary.skipped += int(done.get("samples", 0))
-                summary.total += int(done.get("samples", 0))
+        todo, finished = sink.ledger.unfinished(shards)
+        summary.shards_skipped = finished.shards
+        summary.skipped = summary.total = finished.samples
         plans = {s.id: plan_shard(s) for s in todo}
         summary.shards_by_own_reader = sum(not p.by_ray for p in plans.values())
         if todo:
