@@ -160,7 +160,7 @@ class Context:
         self._generator: torch.Generator | None = None
         self._busy = False
         self._overlap: list[_Submitted] = []
-        """Decode steps of ``_decode_overlapped`` submitted and not yet landed or dropped
+        """Decode steps of ``_decode_plain`` submitted and not yet landed or dropped
         (closing cancels those still waiting for a pass)."""
         self._closed = False
         self.adapters = AdapterStack()
@@ -448,9 +448,7 @@ class Context:
         argmax_serves = sampler.is_greedy and adjust is None and self.model.runner.batch_argmax
         if matcher is None and not sampler.is_custom and not argmax_serves:
             batched = SampleRequest(sampler, self._rng(), adjust)
-        overlap = (
-            self.model.scheduler.overlap and matcher is None and drafter is None and not sampler.is_custom
-        )
+        plain = matcher is None and drafter is None and not sampler.is_custom
         with self._guard():
             self._sample_request = batched
             try:
@@ -484,8 +482,9 @@ class Context:
                     self._check_open()  # the consumer may close it while holding an event
             if events[-1].done is not None:
                 return
-            if overlap:  # every further token: decode steps submitted ahead of their tokens
-                async for ev in self._decode_overlapped(gen, sampler, batched, budget, adjust):
+            if plain:  # every further token: the decode loop (with the overlap where it is on)
+                ahead = self.model.scheduler.overlap
+                async for ev in self._decode_plain(gen, sampler, batched, budget, adjust, ahead):
                     yield ev
                 return
             drafts = []
@@ -512,25 +511,31 @@ class Context:
                 assert self._last_logits is not None
                 rows = [self._last_logits]
 
-    async def _decode_overlapped(
+    async def _decode_plain(
         self,
         gen: _Emission,
         sampler: sampling.Sampler,
         request: SampleRequest | None,
         budget: int,
         adjust: PenaltyState | None = None,
+        overlap: bool = False,
     ) -> AsyncIterator[TokenEvent]:
-        """``stream``'s decode loop with the host's work beside the passes: while the pass
-        of the pending row runs, the step of the row after it (its token is what that pass
-        samples) is already submitted (``StepInput.after``), so the scheduler hands it to
-        the forward worker as soon as that pass ends, while this loop streams the token,
-        checks the stops and submits the next one. A stop leaves one such step computed in
-        vain: its row stays pending (as without overlap), a seeded generator gets its draw
-        back, and its K/V are rewritten when the row is next computed. Tokens, seeded ones
-        included, are what the plain loop gives."""
+        """``stream``'s decode loop for a generation without grammar, drafter or custom
+        sampler: one decode step per token, submitted and awaited without the general
+        prefill's checks (a one-row step never takes cached pages). With ``overlap`` the
+        host's work runs beside the passes: while the pass of the pending row runs, the
+        step of the row after it (its token is what that pass samples) is already
+        submitted (``StepInput.after``), so the scheduler hands it to the forward worker as
+        soon as that pass ends, while this loop streams the token, checks the stops and
+        submits the next one. A stop leaves one such step computed in vain: its row stays
+        pending (as without overlap), a seeded generator gets its draw back, and its K/V
+        are rewritten when the row is next computed. Tokens, seeded ones included, are the
+        same either way."""
         counters = self.model.counters
         cur: _Submitted | None = self._enqueue_decode(request, None)
-        ahead = self._enqueue_ahead(request, cur.step) if len(gen.generated) + 1 < budget else None
+        ahead = None
+        if overlap and len(gen.generated) + 1 < budget:
+            ahead = self._enqueue_ahead(request, cur.step)
         try:
             while True:
                 assert cur is not None
@@ -561,7 +566,7 @@ class Context:
                     t0 = _phase_start()
                     cur = ahead if ahead is not None else self._enqueue_decode(request, None)
                     ahead = None
-                    if len(gen.generated) + 1 < budget:
+                    if overlap and len(gen.generated) + 1 < budget:
                         ahead = self._enqueue_ahead(request, cur.step)
                     _phase_stop("loop: build and submit the next step", t0)
                 yield event
@@ -579,14 +584,13 @@ class Context:
         self._table.set_salt(self.adapters.identity(), start)
         if after is None:
             assert self._n == start, "one pending row"
-            step = self._build_step(start, start + 1, "last")
-            step.pages = list(step.pages)  # the table may grow while the pass waits
+            step = self._build_step(start, start + 1, "last")  # its pages: a copy of the table's
         else:
             self._table.reserve(start, start + 1)
-            positions = torch.full((self.model.arch.position_axes, 1), self._cursor, dtype=torch.long)
             step = StepInput(
                 tokens=[-1],
-                positions=positions,
+                positions=None,
+                pos=(self._cursor,) * self.model.arch.position_axes,
                 kv_start=start,
                 pages=list(self._table.pages),
                 logits="last",
@@ -1171,6 +1175,19 @@ class Context:
 
     def _build_step(self, start: int, end: int, want: LogitsWanted) -> StepInput:
         self._table.reserve(start, end)
+        if end - start == 1:
+            row = self._rows[start]
+            if row.span is None and row.mm_type not in (1, 2):  # a text row: a decode step
+                return StepInput(
+                    tokens=[row.token],
+                    positions=None,
+                    pos=row.pos,
+                    kv_start=start,
+                    pages=self._table.pages,
+                    logits=want,
+                    adapters=self.adapters.items,
+                    sample=self._sample_request if want in ("last", "last+hidden") else None,
+                )
         rows = self._rows[start:end]
         # numpy builds the (axes, rows) array in half the time torch.tensor takes (a decode
         # step builds one per context per token).
@@ -1247,7 +1264,9 @@ class _Emission:
         self.ctx, self.cond, self.tracker, self.matcher, self.logprobs = ctx, cond, tracker, matcher, logprobs
         model = ctx.model
         self._text = IncrementalText(
-            lambda ids: model.detokenize(ids, skip_special_tokens=True), model.byte_fallback_ids
+            lambda ids: model.detokenize(ids, skip_special_tokens=True),
+            model.byte_fallback_ids,
+            model.token_text,
         )
         self.generated: list[int] = self._text.ids
         self.emitted = ""
@@ -1270,8 +1289,11 @@ class _Emission:
         if reason is not None or settled:
             # Held-back text keeps ``emitted`` a prefix of the whole decode; should a tokenizer
             # still rewrite earlier text, only what follows the common prefix goes out.
-            common = len(os.path.commonprefix((self.emitted, visible)))
-            delta = visible[common:]
+            emitted = self.emitted
+            if visible.startswith(emitted):  # the usual case, in C: no per-character loop
+                delta = visible[len(emitted) :]
+            else:
+                delta = visible[len(os.path.commonprefix((emitted, visible))) :]
             self.emitted = visible
         return TokenEvent(token=token, text=delta, done=reason, logprob=lp, top_logprobs=top)
 

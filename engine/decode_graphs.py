@@ -50,7 +50,7 @@ from engine import step_timing
 from engine.architectures import TextInputs
 from engine.attention import TORCH_BACKEND, BatchMeta
 from engine.attention_flashinfer import FlashInferBackend, kv_scales, query_rows
-from engine.forward import upload_indices
+from engine.forward import pass_positions, upload_indices
 
 if TYPE_CHECKING:
     from engine.forward import ForwardRunner, StepInput
@@ -284,7 +284,7 @@ class DecodeGraphs:
             indices_l.extend(pages)
         ids = torch.tensor(ids_l + [0] * pad, dtype=torch.long)
         positions = torch.zeros(self.arch.position_axes, bucket, dtype=torch.long)
-        positions[:, :n] = torch.cat([s.positions[:, :1] for s in steps], dim=1)
+        positions[:, :n] = pass_positions(steps, self.arch.position_axes)
         slots = torch.tensor(slots_l + [self.scratch_page * ps] * pad, dtype=torch.long)
         last = torch.tensor(last_l + [1] * pad, dtype=torch.int32)
         counts = torch.tensor(counts_l + [1] * pad, dtype=torch.int32)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from engine import sampling_kernel, step_timing
@@ -69,8 +70,8 @@ class MediaRows:
 @dataclass
 class StepInput:
     tokens: list[int]
-    positions: torch.Tensor
-    """(n_axes, len(tokens)) long, absolute."""
+    positions: torch.Tensor | None
+    """(n_axes, len(tokens)) long, absolute; None for a one-row step that gives ``pos``."""
     kv_start: int
     pages: list[int]
     """Page table covering ``kv_start + len(tokens)`` rows."""
@@ -107,6 +108,9 @@ class StepInput:
     """For an ``after`` step sampled with a seeded generator: the generator's state before
     and after this row drew, so a context that drops the step (it stopped one token
     earlier) can give the draw back when nothing drew since (``engine.pass_sampling``)."""
+    pos: tuple[int, ...] | None = None
+    """A one-row step's position per axis, in place of ``positions``: a decode step builds
+    no tensor of its own; the runner builds the pass's positions at once (``pass_positions``)."""
 
 
 class ForwardRunner:
@@ -153,7 +157,6 @@ class ForwardRunner:
         dev = self.device
         ps = self.pool.page_size
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
         slots: list[int] = []
         tables: list[list[int]] = []
         pages_flat: list[int] = []
@@ -177,7 +180,6 @@ class ForwardRunner:
                     f"page table covers {len(step.pages) * ps} rows, {step.kv_start + n} needed"
                 )
             ids.extend(step.tokens)
-            positions.append(step.positions)
             table = step.pages[:need_pages]
             tables.append(table)
             pages_flat.extend(table)
@@ -206,7 +208,7 @@ class ForwardRunner:
         # Every index tensor of the pass reaches the device in one copy (on CUDA: from
         # pinned memory, without a stream sync; one `.to(device)` per tensor would be a
         # synchronising copy each, dozens per decode pass at high concurrency).
-        positions_cpu = torch.cat(positions, dim=1).to(torch.long)
+        positions_cpu = pass_positions(steps, self.arch.position_axes)
         (ids_d, positions_flat, slots_d, media_rows_d, pages_d, blocks_d) = upload_indices(
             [
                 torch.tensor(ids, dtype=torch.long),
@@ -373,6 +375,22 @@ class ForwardRunner:
             embeds.append(enc.embeddings[idx])
             deepstack.append([d[idx] for d in enc.deepstack] if enc.deepstack else None)
         return embeds, deepstack
+
+
+def pass_positions(steps: Sequence[StepInput], axes: int) -> torch.Tensor:
+    """(axes, rows) long: every step's positions in pass order, one array for the one-row
+    steps that give ``pos`` (a decode pass: one numpy call, not a tensor per step)."""
+    if all(step.pos is not None for step in steps):
+        table = np.array([step.pos for step in steps], dtype=np.int64).reshape(len(steps), axes)
+        return torch.from_numpy(np.ascontiguousarray(table.T))
+    parts = []
+    for step in steps:
+        if step.pos is not None:
+            parts.append(torch.tensor(step.pos, dtype=torch.long).view(axes, 1))
+        else:
+            assert step.positions is not None, "a step gives positions or pos"
+            parts.append(step.positions.to(torch.long))
+    return torch.cat(parts, dim=1)
 
 
 def upload_indices(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -22,8 +22,16 @@ from collections.abc import Callable, Collection, Sequence
 class IncrementalText:
     """``push(token)`` returns the decode of every token pushed so far."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], byte_tokens: Collection[int] = ()):
+    def __init__(
+        self,
+        decode: Callable[[Sequence[int]], str],
+        byte_tokens: Collection[int] = (),
+        decode_one: Callable[[int], str] | None = None,
+    ):
+        """``decode_one(t)``: ``decode([t])``, memoised by the caller (a settled head is
+        most often one token, decoded on its own once per step)."""
         self._decode = decode
+        self._decode_one = decode_one
         self._byte_tokens = byte_tokens
         self.ids: list[int] = []
         self._settled = 0  # the newest clean boundary
@@ -44,7 +52,11 @@ class IncrementalText:
             text = self._decode(ids)
         if not text.endswith("\ufffd") and token not in self._byte_tokens:
             self._anchor, self._settled, self._settled_text = self._settled, len(ids), text
-            self._head = self._decode(ids[self._anchor :])
+            one = self._decode_one
+            if one is not None and self._anchor == len(ids) - 1:
+                self._head = one(token)
+            else:
+                self._head = self._decode(ids[self._anchor :])
         return text
 
     def __repr__(self) -> str:

@@ -285,6 +285,20 @@ class Model:
             return raw(ids if isinstance(ids, list) else list(ids), skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token: int) -> str:
+        """``detokenize([token], skip_special_tokens=True)``, memoised (at most one string
+        per vocabulary entry): a streamed generation decodes its newest token on its own
+        every step (``engine.incremental_text``)."""
+        texts = self._token_texts
+        text = texts.get(token)
+        if text is None:
+            text = texts[token] = self.detokenize([token], skip_special_tokens=True)
+        return text
+
+    @functools.cached_property
+    def _token_texts(self) -> dict[int, str]:
+        return {}
+
     @functools.cached_property
     def _backend_decode(self) -> Callable[..., str] | None:
         """The ``tokenizers`` backend's own ``decode`` when transformers' ``decode`` would

@@ -186,6 +186,10 @@ class PageTable:
         module doc). All or nothing: on ``OutOfPagesError`` nothing changed."""
         pool, pages, ps = self.pool, self._pages, self.pool.page_size
         first, last = start // ps, self.pages_for(end)
+        if last - first == 1 and last <= len(pages):  # rows inside one held page (a decode step)
+            page = pages[first]
+            if pool.refcount(page) == 1 and pool.key_of(page) is None:
+                return
         shared = self._shared(start, end)
         fresh = pool.allocate(max(0, last - len(pages)) + len(shared))
         for i in shared:

@@ -71,7 +71,7 @@ def _parts(c: StopCondition) -> tuple[StopCondition, ...]:
 class _Stateless:
     """Tracker for conditions that need no memory between steps."""
 
-    def __init__(self, cond: MaxTokens | Eos) -> None:
+    def __init__(self, cond: Eos) -> None:
         self._cond = cond
 
     def check(self, token_ids: list[int], text: str) -> StopReason | None:
@@ -86,10 +86,17 @@ class MaxTokens(StopCondition):
         check_int("max_tokens", self.n, min=1)
 
     def start(self) -> Tracker:
-        return _Stateless(self)
+        return _BudgetTracker(self.n)
 
-    def _test(self, token_ids: list[int], text: str) -> StopReason | None:
-        return StopReason("length", text, self.n) if len(token_ids) >= self.n else None
+
+class _BudgetTracker:
+    """``MaxTokens``' tracker: one comparison per token."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def check(self, token_ids: list[int], text: str) -> StopReason | None:
+        return StopReason("length", text, self._n) if len(token_ids) >= self._n else None
 
 
 @dataclass(frozen=True)
@@ -113,11 +120,17 @@ class StopStrings(StopCondition):
     def __post_init__(self) -> None:
         if not self.strings or any(not isinstance(s, str) or not s for s in self.strings):
             raise ValueError(f"stop_strings needs one or more non-empty strings, got {self.strings!r}")
+        # The characters a proper prefix of a stop string can end with: a text ending in
+        # any other character holds nothing back (the usual case, checked once per token).
+        ends = frozenset(s[k - 1] for s in self.strings for k in range(1, len(s)))
+        object.__setattr__(self, "_prefix_ends", ends)
 
     def start(self) -> Tracker:
         return _StopStringTracker(self)
 
     def holdback(self, text: str) -> int:
+        if not text or text[-1] not in self._prefix_ends:  # type: ignore[attr-defined]
+            return 0
         longest = 0
         for s in self.strings:
             for k in range(min(len(s) - 1, len(text)), longest, -1):
@@ -160,11 +173,19 @@ class _StopStringTracker:
 class AnyOf(StopCondition):
     conditions: tuple[StopCondition, ...]
 
+    def __post_init__(self) -> None:
+        # Only conditions that can hold text back are asked, once per streamed token.
+        holding = tuple(c for c in self.conditions if type(c).holdback is not StopCondition.holdback)
+        object.__setattr__(self, "_holding", holding)
+
     def start(self) -> Tracker:
         return _AnyTracker([c.start() for c in self.conditions])
 
     def holdback(self, text: str) -> int:
-        return max((c.holdback(text) for c in self.conditions), default=0)
+        holding: tuple[StopCondition, ...] = self._holding  # type: ignore[attr-defined]
+        if len(holding) == 1:
+            return holding[0].holdback(text)
+        return max((c.holdback(text) for c in holding), default=0)
 
 
 class _AnyTracker:
@@ -172,8 +193,12 @@ class _AnyTracker:
         self._trackers = trackers
 
     def check(self, token_ids: list[int], text: str) -> StopReason | None:
-        fired = [r for t in self._trackers if (r := t.check(token_ids, text)) is not None]
-        return min(fired, key=lambda r: _PRIORITY[r.kind]) if fired else None
+        fired = None  # the first of the highest priority among those that fire
+        for t in self._trackers:
+            r = t.check(token_ids, text)
+            if r is not None and (fired is None or _PRIORITY[r.kind] < _PRIORITY[fired.kind]):
+                fired = r
+        return fired
 
 
 def max_tokens(n: int) -> MaxTokens:
