@@ -62,26 +62,53 @@ ATTN_IMPLEMENTATION = "pie_paged"
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class SeqMeta:
-    """One sequence's slice of a flattened forward batch."""
+    """One sequence's slice of a flattened forward batch.
 
-    q_start: int
-    """First row of this sequence in the batch."""
-    q_len: int
-    """Rows this sequence computes in this pass."""
-    kv_start: int
-    """Rows already in its KV before this pass (= row index of its first query)."""
-    pages: torch.Tensor
-    """Long tensor of page ids covering ``kv_start + q_len`` rows, on the pool's device."""
-    block_ids: torch.Tensor | None = None
-    """(q_len,) media block id per query row (-1 = none) for bidirectional blocks."""
-    first_page: int | None = None
-    """``pages[0]`` when the pages are consecutive ids (then K/V are read as views)."""
+    ``q_start``: first row of this sequence in the batch; ``q_len``: rows it computes in
+    this pass; ``kv_start``: rows already in its KV before this pass (= row index of its
+    first query); ``pages``: long tensor of page ids covering ``kv_start + q_len`` rows,
+    on the pool's device (given, or a slice ``pages_of[at:end]`` of the pass's page list,
+    made when first read: a decode pass of hundreds of sequences makes hundreds of these
+    and many backends never read them); ``block_ids``: (q_len,) media block id per query
+    row (-1 = none) for bidirectional blocks; ``first_page``: ``pages[0]`` when the pages
+    are consecutive ids (then K/V are read as views). A plain class with slots: one is
+    made per sequence and pass."""
+
+    __slots__ = ("q_start", "q_len", "kv_start", "block_ids", "first_page", "_pages", "_of", "_at", "_end")
+
+    def __init__(
+        self,
+        q_start: int,
+        q_len: int,
+        kv_start: int,
+        pages: torch.Tensor | None = None,
+        block_ids: torch.Tensor | None = None,
+        first_page: int | None = None,
+        *,
+        pages_of: torch.Tensor | None = None,
+        at: int = 0,
+        end: int = 0,
+    ):
+        if (pages is None) == (pages_of is None):
+            raise ValueError("a SeqMeta takes its pages or a slice of the pass's pages, one of the two")
+        self.q_start, self.q_len, self.kv_start = q_start, q_len, kv_start
+        self.block_ids, self.first_page = block_ids, first_page
+        self._pages, self._of, self._at, self._end = pages, pages_of, at, end
+
+    @property
+    def pages(self) -> torch.Tensor:
+        if self._pages is None:
+            assert self._of is not None
+            self._pages = self._of[self._at : self._end]
+        return self._pages
 
     @property
     def kv_len(self) -> int:
         return self.kv_start + self.q_len
+
+    def __repr__(self) -> str:
+        return f"SeqMeta(q_start={self.q_start}, q_len={self.q_len}, kv_start={self.kv_start})"
 
 
 @dataclass

@@ -160,8 +160,8 @@ class Context:
         self._generator: torch.Generator | None = None
         self._busy = False
         self._overlap: list[_Submitted] = []
-        """Decode steps of ``_decode_plain`` submitted and not yet landed or dropped
-        (closing cancels those still waiting for a pass)."""
+        """Decode steps of ``_decode_plain`` submitted lately (closing cancels those still
+        waiting for a pass); ended ones are dropped as new ones come."""
         self._closed = False
         self.adapters = AdapterStack()
         """LoRA adapters this context's rows run under (push/pop/clear)."""
@@ -599,8 +599,10 @@ class Context:
             )
         step.sample = request
         submitted = _Submitted(step, self.model.scheduler.enqueue(step))
-        self._overlap.append(submitted)
-        submitted.future.add_done_callback(lambda _: self._overlap.remove(submitted))
+        inflight = self._overlap
+        if len(inflight) >= 4:  # at most two are live at a time: drop those that ended
+            inflight[:] = [s for s in inflight if not s.future.done()]
+        inflight.append(submitted)
         return submitted
 
     def _enqueue_ahead(self, request: SampleRequest | None, after: StepInput) -> _Submitted | None:
@@ -721,7 +723,12 @@ class Context:
         """The next token from one row of logits (penalties, grammar mask, then the sampler
         and this context's generator); the matcher and the penalty counts advance past it."""
         drawn = self._sample_hint
-        if drawn is not None and matcher is None and drawn[0] is logits and drawn[1] == sampler:
+        if (
+            drawn is not None
+            and matcher is None
+            and drawn[0] is logits
+            and (drawn[1] is sampler or drawn[1] == sampler)
+        ):
             self._sample_hint = None  # the runner drew it, penalties applied and counted
             return drawn[2]
         if adjust is not None:

@@ -185,7 +185,10 @@ class ForwardRunner:
             pages_flat.extend(table)
             # Each row's K/V slot; in Python for a decode step's row or few (a tensor op
             # per step costs more than the arithmetic, hundreds of steps per pass).
-            if n <= 16:
+            if n == 1:
+                kv = step.kv_start
+                slots.append(table[kv // ps] * ps + kv % ps)
+            elif n <= 16:
                 slots.extend(table[r // ps] * ps + r % ps for r in range(step.kv_start, step.kv_start + n))
             else:
                 rows = torch.arange(step.kv_start, step.kv_start + n)
@@ -224,24 +227,30 @@ class ForwardRunner:
         at_q = at_page = at_block = 0
         for step, table in zip(steps, tables, strict=True):
             n = len(step.tokens)
-            used = table
-            consecutive = bool(used) and used == list(range(used[0], used[0] + len(used)))
+            first = table[0]
+            consecutive = table[-1] - first == len(table) - 1 and table == list(
+                range(first, first + len(table))
+            )
             block_ids = None
             if step.block_ids is not None:
                 block_ids = blocks_d[at_block : at_block + n]
                 at_block += n
+            end_page = at_page + len(table)
             seqs.append(
                 SeqMeta(
-                    q_start=at_q,
-                    q_len=n,
-                    kv_start=step.kv_start,
-                    pages=pages_d[at_page : at_page + len(table)],
-                    block_ids=block_ids,
-                    first_page=used[0] if consecutive else None,
+                    at_q,
+                    n,
+                    step.kv_start,
+                    None,
+                    block_ids,
+                    first if consecutive else None,
+                    pages_of=pages_d,
+                    at=at_page,
+                    end=end_page,
                 )
             )
             at_q += n
-            at_page += len(table)
+            at_page = end_page
 
         media_embeds, media_deepstack = self._encode(media)
         media_embeds.extend(direct_embeds)

@@ -138,3 +138,20 @@ def test_stop_strings_on_random_token_splits(text: str, stops: list[str], cuts: 
             assert reason == StopReason("stop_string", prefix[:pos], s)
             return
     assert reason is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab\né<>x", max_size=12),
+    stops=st.lists(st.text(alphabet="ab\né<>", min_size=1, max_size=5), min_size=1, max_size=3),
+)
+def test_holdback_is_the_longest_stop_string_prefix_the_text_ends_with(text: str, stops: list[str]) -> None:
+    """What a stream holds back: the longest proper prefix of a stop string that ends the
+    text (the shortcut for texts ending in no prefix's last character included)."""
+    cond = stop_strings(*stops) | max_tokens(5)
+    expected = max(
+        (k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
+        default=0,
+    )
+    assert cond.holdback(text) == expected
+    assert stop_strings(*stops).holdback(text) == expected
