@@ -539,9 +539,20 @@ class Context:
         try:
             while True:
                 assert cur is not None
-                with self._guard():  # as the plain loop: busy while a pass of its rows runs
+                # As ``_guard()``, inline (once per token): busy while a pass of its rows runs.
+                if self._busy:
+                    raise InvalidRequestError(
+                        "this context is already running a forward pass; await it first"
+                    )
+                self._busy = True
+                try:
                     result = await cur.future
-                self._check_open()  # closed while the pass ran: its rows are gone
+                finally:
+                    self._busy = False
+                    if self._closed:
+                        self._release()
+                if self._closed:  # closed while the pass ran: its rows are gone
+                    self._check_open()
                 step, cur = cur.step, None
                 if result is SKIPPED:  # its token never came: run its row as usual
                     if ahead is not None:
@@ -552,8 +563,14 @@ class Context:
                 counters.fed_back_tokens += 1
                 self._n += 1
                 self._table.publish(self._rows, self._n)
-                self._land(step, result)
-                token = self._pick(result, sampler, None, adjust)
+                if request is not None and step.sampled is not None and step.sample is request:
+                    # The runner drew it (penalties applied and counted): ``_land`` + ``_pick``.
+                    token = step.sampled
+                    self._last_logits, self._last_hidden, self._sample_hint = result, None, None
+                    self._argmax_hint = (result, step.argmax) if step.argmax is not None else None
+                else:
+                    self._land(step, result)
+                    token = self._pick(result, sampler, None, adjust)
                 if ahead is not None and token != _token_of(step):
                     await self._drop_ahead(ahead)  # computed for another token: redo
                     ahead = None
@@ -572,7 +589,8 @@ class Context:
                 yield event
                 if event.done is not None:
                     return
-                self._check_open()  # the consumer may close it while holding an event
+                if self._closed:  # the consumer may close it while holding an event
+                    self._check_open()
         finally:
             if ahead is not None:
                 await self._drop_ahead(ahead)
@@ -1270,11 +1288,7 @@ class _Emission:
     ):
         self.ctx, self.cond, self.tracker, self.matcher, self.logprobs = ctx, cond, tracker, matcher, logprobs
         model = ctx.model
-        self._text = IncrementalText(
-            lambda ids: model.detokenize(ids, skip_special_tokens=True),
-            model.byte_fallback_ids,
-            model.token_text,
-        )
+        self._text = IncrementalText(model.text_decoder, model.byte_fallback_ids, model.token_text)
         self.generated: list[int] = self._text.ids
         self.emitted = ""
         self.started = self.last = time.perf_counter()

@@ -285,6 +285,15 @@ class Model:
             return raw(ids if isinstance(ids, list) else list(ids), skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def text_decoder(self) -> Callable[[list[int]], str]:
+        """``detokenize(ids, skip_special_tokens=True)`` as one call for a list of ids (the
+        backend's own decode where it serves): what a streamed generation calls every token."""
+        raw = self._backend_decode
+        if raw is not None:
+            return functools.partial(raw, skip_special_tokens=True)
+        return lambda ids: self.detokenize(ids, skip_special_tokens=True)
+
     def token_text(self, token: int) -> str:
         """``detokenize([token], skip_special_tokens=True)``, memoised (at most one string
         per vocabulary entry): a streamed generation decodes its newest token on its own

@@ -100,14 +100,19 @@ def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
     if first.dim() == 1 and first.is_contiguous():
         step = first.element_size() * vocab
         base = first.data_ptr()
+        dtype, device = first.dtype, first.device
         if all(
-            r.dim() == 1
-            and r.is_contiguous()
-            and r.dtype == first.dtype
-            and r.device == first.device
-            and r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-            and r.data_ptr() == base + k * step
+            r.data_ptr() == base + k * step
+            and r.dtype == dtype
+            and r.shape == first.shape
+            and r.device == device
             for k, r in enumerate(rows)
         ):
-            return first.as_strided((len(rows), vocab), (vocab, 1))
+            # Rows at consecutive addresses are consecutive rows of one tensor unless they
+            # lie in separate allocations; then the view would reach past ``first``'s
+            # storage, which as_strided refuses: stack them.
+            try:
+                return first.as_strided((len(rows), vocab), (vocab, 1))
+            except RuntimeError:
+                pass
     return torch.stack(rows)
