@@ -32,6 +32,12 @@ itself replayed from ``speech.depth_graphs``). Padding rows embed whatever the b
 and, as above, touch only the scratch page. Graphs of one kind take passes of that kind
 only; anything else runs as usual.
 
+``launch`` / ``finish`` split a token-id pass: launched without waiting (its logits
+copied on the device, their argmax on its way to the host), finished when the tokens are
+read. A pass launched while another runs can take its token ids from that one's argmax on
+the device (``engine.scheduler``'s device feed); before planning, a launch waits for the
+previous plan's copies (flashinfer stages its tables in a pinned host buffer it reuses).
+
 ``capture=False`` runs the same static-buffer function eagerly instead of replaying a
 graph: everything but the capture itself, which is how it is tested without a GPU (with a
 stand-in flashinfer that reads the fixed buffers as the kernels do). Why by hand: vLLM and
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -58,6 +65,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class Launched:
+    """A token-id pass on its way (``DecodeGraphs.launch``)."""
+
+    steps: list[StepInput]
+    out: torch.Tensor
+    """(n, V) float32 logits, a device copy of the static buffer (the next pass reuses it)."""
+    argmax: torch.Tensor | None
+    """(n,) their argmax on the device (with the runner's ``batch_argmax``): what a pass fed
+    from this one reads its token ids from."""
+    host: torch.Tensor | None
+    """(n,) the argmax's host copy (pinned, written when ``ready`` has passed on CUDA)."""
+    ready: Any = None
+    """The CUDA event after that copy (None on the CPU, where nothing waits)."""
+
+    def done(self) -> bool:
+        """Whether the pass's tokens have reached the host (no wait)."""
+        return self.ready is None or bool(self.ready.query())
 
 
 class _BucketAttention:
@@ -170,6 +197,8 @@ class DecodeGraphs:
         self._graphs: dict[int, Any] = {}
         self._mempool: Any = None
         self.capturing = False
+        self._planned: Any = None
+        """CUDA event recorded after the last pass's plan (see ``_replay``)."""
         self.replays = 0
         """Passes replayed from a graph (or, with ``capture=False``, run eagerly through
         the static buffers)."""
@@ -260,6 +289,64 @@ class DecodeGraphs:
     def run(self, steps: Sequence[StepInput]) -> list[Any]:
         """(V,) float32 logits per step, as ``ForwardRunner.run`` gives for "last"; with
         ``inputs="embeds"``, the runner's head's result per step, as for "head"."""
+        if self.hidden is None:
+            return self.finish(self.launch(steps))
+        n, _ = self._replay(steps, None, ())
+        assert self.runner.head is not None
+        results = self.runner.head.run(self.hidden[:n], [s.head for s in steps])
+        self._count(n)
+        return list(results)
+
+    def launch(
+        self,
+        steps: Sequence[StepInput],
+        fed: Launched | None = None,
+        fed_rows: Sequence[tuple[int, int]] = (),
+    ) -> Launched:
+        """Start a token-id pass (``inputs="ids"``) and return without waiting for it: its
+        logits are copied on the device and, with the runner's ``batch_argmax``, their
+        argmax is on its way to the host (``finish`` waits for it). ``fed_rows``: (row of
+        this pass, row of ``fed``) pairs whose token id is ``fed``'s argmax of that row,
+        taken on the device, so this pass can be launched before ``fed``'s tokens reach the
+        host (``engine.scheduler``'s device feed)."""
+        if self.hidden is not None:
+            raise ValueError("embedding-input graphs hand their rows to the runner's head: use run()")
+        n, cuda = self._replay(steps, fed, fed_rows)
+        out = self.logits[:n].clone()
+        argmax = host = ready = None
+        if self.runner.batch_argmax:
+            argmax = out.argmax(dim=-1)
+            host = argmax
+            if cuda:  # the tokens' copy to the host, not waited for here
+                host = torch.empty(n, dtype=torch.long, pin_memory=True)
+                host.copy_(argmax, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+        self._count(n)
+        return Launched(list(steps), out, argmax, host, ready)
+
+    def finish(self, launched: Launched) -> list[torch.Tensor]:
+        """Wait for a launched pass's argmax to reach the host, set ``StepInput.argmax`` of
+        its steps and return its (V,) logits rows."""
+        if launched.host is not None:
+            t0 = step_timing.start()
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            for step, best in zip(launched.steps, launched.host.tolist(), strict=True):
+                step.argmax = best
+            step_timing.stop("worker: argmax (with its device-to-host read)", t0)
+        return list(launched.out)
+
+    def _count(self, n: int) -> None:
+        self.replays += 1
+        self.runner.passes += 1
+        self.runner.rows_computed += n
+
+    def _replay(
+        self, steps: Sequence[StepInput], fed: Launched | None, fed_rows: Sequence[tuple[int, int]]
+    ) -> tuple[int, bool]:
+        """Load the pass's inputs into the static buffers, plan its attention and replay
+        (or run) its bucket; (rows, whether on CUDA)."""
         t_inputs = step_timing.start()
         n = len(steps)
         bucket = next(b for b in self.buckets if b >= n)
@@ -277,7 +364,7 @@ class DecodeGraphs:
             pages = step.pages[: -(-kv_len // ps)]
             if len(pages) * ps < kv_len:
                 raise RuntimeError(f"page table covers {len(pages) * ps} rows, {kv_len} needed")
-            ids_l.append(step.tokens[0])
+            ids_l.append(max(step.tokens[0], 0))  # a fed row's id (-1 here) comes on the device
             slots_l.append(pages[step.kv_start // ps] * ps + step.kv_start % ps)
             last_l.append(kv_len - (len(pages) - 1) * ps)
             counts_l.append(len(pages))
@@ -291,13 +378,18 @@ class DecodeGraphs:
         indptr = torch.zeros(bucket + 1, dtype=torch.int32)
         indptr[1:] = counts.cumsum(0)
         indices = torch.tensor(indices_l + [self.scratch_page] * pad, dtype=torch.long)
+        parts = [ids, positions.reshape(-1), slots, indices]
+        if fed_rows:
+            parts += [torch.tensor([d for d, _ in fed_rows]), torch.tensor([r for _, r in fed_rows])]
+        cuda = self.device.type == "cuda"
 
         with torch.inference_mode():
             # One host-to-device copy for the pass; the rest are copies on the device.
-            ids_d, pos_d, slots_d, indices_d = upload_indices(
-                [ids, positions.reshape(-1), slots, indices], self.device
-            )
+            ids_d, pos_d, slots_d, indices_d, *feed = upload_indices(parts, self.device)
             self.ids[:bucket].copy_(ids_d)
+            if fed_rows:
+                assert fed is not None and fed.argmax is not None, "a fed pass needs its source's argmax"
+                self.ids.index_copy_(0, feed[0], fed.argmax.index_select(0, feed[1]))
             self.positions[:, :bucket].copy_(pos_d.view(positions.shape))
             self.slots[:bucket].copy_(slots_d)
             if self.embeds is not None:
@@ -307,7 +399,17 @@ class DecodeGraphs:
             attention = self._attention.get(bucket)
             if attention is None:
                 attention = self._attention[bucket] = _BucketAttention(self, bucket)
+            if self._planned is not None:
+                # flashinfer's plan stages its tables in one pinned host buffer per wrapper
+                # and copies them without waiting: the previous pass's copy must have run
+                # before this plan writes that buffer again (only a pass launched while
+                # another runs gets here before it has).
+                self._planned.synchronize()
+                self._planned = None
             attention.begin((indptr, indices_d.to(torch.int32), last))
+            if cuda:
+                self._planned = torch.cuda.Event()
+                self._planned.record()
             step_timing.stop("worker: attention planning (flashinfer plan)", t0)
             t0 = step_timing.start()
             if self.capture:
@@ -318,23 +420,7 @@ class DecodeGraphs:
             else:
                 self._forward(bucket)
             step_timing.stop("worker: graph replay (launch; eager without capture)", t0)
-            if self.hidden is not None:
-                assert self.runner.head is not None
-                results = self.runner.head.run(self.hidden[:n], [s.head for s in steps])
-                self.replays += 1
-                self.runner.passes += 1
-                self.runner.rows_computed += n
-                return list(results)
-            out = self.logits[:n].clone()
-            if self.runner.batch_argmax:
-                t0 = step_timing.start()
-                for step, best in zip(steps, out.argmax(dim=-1).tolist(), strict=True):
-                    step.argmax = best
-                step_timing.stop("worker: argmax (with its device-to-host read)", t0)
-        self.replays += 1
-        self.runner.passes += 1
-        self.runner.rows_computed += n
-        return list(out)
+        return n, cuda
 
     def _forward(self, bucket: int) -> None:
         inp = TextInputs(

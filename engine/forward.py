@@ -42,9 +42,17 @@ class GraphReplay(Protocol):
     """What the runner asks of ``engine.decode_graphs.DecodeGraphs`` (not imported: it
     builds on this file)."""
 
+    inputs: str
+
     def takes(self, steps: Sequence[StepInput]) -> bool: ...
 
     def run(self, steps: Sequence[StepInput]) -> Sequence[torch.Tensor]: ...
+
+    def launch(
+        self, steps: Sequence[StepInput], fed: Any = None, fed_rows: Sequence[tuple[int, int]] = ()
+    ) -> Any: ...
+
+    def finish(self, launched: Any) -> list[torch.Tensor]: ...
 
 
 class BatchedHead(Protocol):
@@ -373,6 +381,37 @@ class ForwardRunner:
             step_timing.stop("worker: argmax (with its device-to-host read)", t_argmax)
         t0 = step_timing.start()
         sample_pass(steps, out)
+        step_timing.stop("worker: sampling (with its device-to-host read)", t0)
+        return out
+
+    def can_launch(self, steps: Sequence[StepInput]) -> bool:
+        """Whether ``launch`` takes this pass: a token-id decode pass the graphs replay,
+        with the pass's argmax read by the runner (``batch_argmax``)."""
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and self.batch_argmax
+            and graphs.inputs == "ids"
+            and bool(steps)
+            and graphs.takes(steps)
+        )
+
+    def launch(
+        self, steps: list[StepInput], fed: Any = None, fed_rows: Sequence[tuple[int, int]] = ()
+    ) -> Any:
+        """``run``'s first half for a pass ``can_launch`` takes: started, not waited for
+        (``engine.decode_graphs.DecodeGraphs.launch``; ``fed``/``fed_rows``: token ids
+        taken on the device from an earlier launched pass's argmax)."""
+        assert self.graphs is not None
+        return self.graphs.launch(steps, fed, fed_rows)
+
+    def finish(self, launched: Any) -> list[torch.Tensor]:
+        """``run``'s second half: wait for the pass's tokens, sample the rows that asked,
+        return each step's (V,) logits."""
+        assert self.graphs is not None
+        out = self.graphs.finish(launched)
+        t0 = step_timing.start()
+        sample_pass(launched.steps, out)
         step_timing.stop("worker: sampling (with its device-to-host read)", t0)
         return out
 

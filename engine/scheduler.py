@@ -24,11 +24,23 @@ the model's, not between two passes. The next pass is cut early only when every 
 the running one has its successor waiting; otherwise (a prefill chunk, a grammar's step)
 it is cut when the running one answers, so contexts one pass out of phase share passes
 rather than alternate.
+
+Device feed (with the overlap, on CUDA by default; ``PIE_MEDIA_DEVICE_FEED=1``/``0``):
+even so, the worker reads pass N's tokens to the host before it builds and launches N+1,
+and the device idles for that read and the launch. When N is a graph decode pass
+(``engine.decode_graphs``) whose greedy rows the runner argmaxes, the worker launches it
+without waiting (``ForwardRunner.launch``), then, while N runs, launches the next pass
+handed over if each of its steps takes its token from N's argmax (gathered on the device
+into N+1's ids) or already knows it; only then does it read N's tokens (``finish``). The
+device goes from N to N+1 without a gap; the host builds N+1 while N runs. Rows sampled
+with a ``SampleRequest`` (a sampler other than greedy, or penalties) are drawn on the
+host side and are not fed this way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -36,11 +48,14 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine import step_timing
 from engine.forward import ForwardRunner, StepInput
+
+log = logging.getLogger(__name__)
 
 SKIPPED = object()
 """The result of an ``after`` step whose token never came (``StepInput.skipped``)."""
@@ -53,6 +68,9 @@ class SchedulerStats:
     max_steps_in_pass: int = 0
     overlapped_passes: int = 0
     """Passes handed to the worker while the one before was still running."""
+    fed_passes: int = 0
+    """Passes launched on the device before the pass they take their tokens from had
+    returned them to the host (the device feed)."""
 
 
 class Scheduler:
@@ -68,6 +86,18 @@ class Scheduler:
         self.overlap = overlap_default(runner.device)
         """Whether plain generations submit each decode step ahead of its token (see the
         module doc)."""
+        self.device_feed = device_feed_default(runner.device)
+        """With the overlap: whether a graph decode pass whose tokens are the running
+        pass's argmax is launched before that pass's tokens reach the host (see the
+        module doc)."""
+        self.feed_wait_s = 0.0
+        """Off CUDA, how long the worker waits for the next pass to be handed over before
+        reading the running one's tokens (on CUDA: while that pass runs, at most 50 ms).
+        Tests set it to rehearse the device feed on the CPU, where a pass is over when it
+        is launched."""
+        self._queued: deque[list[StepInput]] = deque()  # passes handed to the worker, in order
+        self._queue_cv = threading.Condition()
+        self._prelaunched: dict[int, Any] = {}  # id(steps) -> the runner's launched pass
 
     async def submit(self, step: StepInput) -> torch.Tensor | None:
         return await self.enqueue(step)
@@ -120,18 +150,89 @@ class Scheduler:
 
     def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
-            live = []
-            for step in steps:
-                if step.after is not None:  # its token: what its predecessor's pass drew
-                    before = step.after
+            if self.device_feed:
+                self._unqueue(steps)
+            launched = self._prelaunched.pop(id(steps), None)
+            if launched is None:
+                live = []
+                for step in steps:
+                    if step.after is not None:  # its token: what its predecessor's pass drew
+                        before = step.after
+                        token = before.sampled if before.sample is not None else before.argmax
+                        if token is None or not before.dispatched or before.skipped:
+                            step.skipped = True
+                            continue
+                        step.tokens = [token]
+                    live.append(step)
+                if not (self.device_feed and self.runner.can_launch(live)):
+                    out = iter(self.runner.run(live) if live else ())
+                    return [SKIPPED if step.skipped else next(out) for step in steps]
+                launched = self.runner.launch(live)
+            fed = self._launch_next(launched)
+            out = iter(self.runner.finish(launched))
+            for step in fed:  # their ids came on the device; the host learns them now
+                assert step.after is not None
+                step.tokens = [step.after.argmax]
+            return [SKIPPED if step.skipped else next(out) for step in steps]
+
+    # -- the device feed ----------------------------------------------------------------------
+    def _unqueue(self, steps: list[StepInput]) -> None:
+        with self._queue_cv:
+            for i, queued in enumerate(self._queued):
+                if queued is steps:
+                    del self._queued[i]
+                    return
+
+    def _launch_next(self, launched: Any) -> list[StepInput]:
+        """While ``launched`` runs on the device, launch the next pass handed to the worker
+        if its tokens are ``launched``'s argmax (or already known): its ids are taken on
+        the device, so the device goes from one pass to the next without waiting for the
+        host to read the tokens and build the next pass. Returns the steps fed so."""
+        nxt = self._next_queued(launched)
+        if nxt is None:
+            return []
+        rows = {id(s): i for i, s in enumerate(launched.steps)}
+        live: list[StepInput] = []
+        fed_rows: list[tuple[int, int]] = []
+        fed: list[StepInput] = []
+        for step in nxt:
+            before = step.after
+            if before is not None:
+                row = rows.get(id(before))
+                if row is not None:
+                    if before.sample is not None:
+                        return []  # a sampled token is drawn on the host side: no feed
+                    fed_rows.append((len(live), row))
+                    fed.append(step)
+                    step.tokens = [-1]
+                else:  # an earlier pass's token, on the host already (as _run takes it)
                     token = before.sampled if before.sample is not None else before.argmax
                     if token is None or not before.dispatched or before.skipped:
-                        step.skipped = True
-                        continue
+                        return []
                     step.tokens = [token]
-                live.append(step)
-            out = iter(self.runner.run(live) if live else ())
-            return [SKIPPED if step.skipped else next(out) for step in steps]
+            live.append(step)
+        if not self.runner.can_launch(live):
+            return []
+        try:
+            self._prelaunched[id(nxt)] = self.runner.launch(live, launched, fed_rows)
+        except Exception:  # it runs as usual when its turn comes
+            log.exception("launching a decode pass ahead of its tokens failed; it runs in turn")
+            return []
+        self.stats.fed_passes += 1
+        return fed
+
+    def _next_queued(self, launched: Any) -> list[StepInput] | None:
+        """The next pass handed to the worker, waiting for the loop to hand it over while
+        ``launched`` still runs on the device (CUDA: at most 50 ms), else ``feed_wait_s``."""
+        cuda = self.runner.device.type == "cuda"
+        cap = time.monotonic() + (0.05 if cuda else self.feed_wait_s)
+        with self._queue_cv:
+            while not self._queued:
+                now = time.monotonic()
+                if now >= cap or (cuda and launched.done()):
+                    return None
+                self._queue_cv.wait(0.0002 if cuda else cap - now)
+            return self._queued[0]
 
     def _cut(self, loop: asyncio.AbstractEventLoop) -> list[tuple[StepInput, asyncio.Future]]:
         """The next pass's steps: every waiting one that fits, except steps whose
@@ -181,6 +282,10 @@ class Scheduler:
                     if running:
                         self.stats.overlapped_passes += 1
                     steps = [s for s, _ in batch]
+                    if self.device_feed:
+                        with self._queue_cv:
+                            self._queued.append(steps)
+                            self._queue_cv.notify()
                     ended: list[float] = []
                     running.append(
                         (batch, loop.run_in_executor(self._executor, self._run_timed, steps, ended), ended)
@@ -231,6 +336,16 @@ def overlap_default(device: torch.device) -> bool:
     glue) and the loop's share one GIL, so there is little to hide and the switching costs.
     On a GPU the worker waits on the device without the GIL."""
     forced = os.environ.get("PIE_MEDIA_OVERLAP", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return device.type == "cuda"
+
+
+def device_feed_default(device: torch.device) -> bool:
+    """``PIE_MEDIA_DEVICE_FEED=1`` / ``0`` forces the device feed on / off; unset, it is
+    on for a CUDA device. It acts only with the overlap, CUDA-graph decode and the runner's
+    pass-wide argmax (greedy rows without penalties)."""
+    forced = os.environ.get("PIE_MEDIA_DEVICE_FEED", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
     return device.type == "cuda"

@@ -396,11 +396,18 @@ def main(argv: list[str] | None = None) -> int:
                         result["errors"][f"{backend} sampled@{c}"] = f"{type(e).__name__}: {e}"
                 result["ours"][backend + " top-p"] = sampled
             if backend.endswith("+graphs") or len(backends) == 1:
-                # Decode alone (the decode-only row), overlap on and off.
+                # Decode alone (the decode-only row): overlap on (with the device
+                # feed, its CUDA default), on without the feed, and off.
                 steps = 8 if args.smoke else 128
                 default_overlap = model.scheduler.overlap
-                for overlap, key in ((True, "decode_only"), (False, "decode_only_no_overlap")):
+                default_feed = model.scheduler.device_feed
+                for overlap, feed, key in (
+                    (True, default_feed, "decode_only"),
+                    (True, False, "decode_only_no_feed"),
+                    (False, default_feed, "decode_only_no_overlap"),
+                ):
                     model.scheduler.overlap = overlap
+                    model.scheduler.device_feed = feed
                     for c in sorted({1, levels[-1], 32 if cuda else levels[-1]}):
                         try:
                             decode_only(model, c, 4, device)  # warm-up: this batch size's bucket
@@ -408,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                         except Exception as e:  # noqa: BLE001
                             result["errors"][f"{backend} {key}@{c}"] = f"{type(e).__name__}: {e}"
                 model.scheduler.overlap = default_overlap
+                model.scheduler.device_feed = default_feed
+                result["device_fed_passes"] = model.scheduler.stats.fed_passes
                 result["decode_only_tok_s"] = {
                     c: r["tok_s"] for c, r in result.get("decode_only", {}).items()
                 }
@@ -462,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'ours ' + backend:28} {c:5d} {r['tok_s']:9.1f} {r['img_s']:8.2f} {r['ttft_p50_ms']:12.1f} "
                 f"{ratio:15.2f}x  (first caption: {lead}/{len(hf['first_tokens'])} leading tokens equal)"
             )
-    for key in ("decode_only", "decode_only_no_overlap"):
+    for key in ("decode_only", "decode_only_no_feed", "decode_only_no_overlap"):
         for c, r in result.get(key, {}).items():
             print(
                 f"{key + ' (text, greedy)':28} {int(c):5d} {r['tok_s']:9.1f}  {r['ms_per_step']:.2f} ms per step"

@@ -185,3 +185,38 @@ def test_refusals(fake_flashinfer, tiny_dir):
     g = DecodeGraphs(_on_fake(tiny_dir, TINY_QWEN).runner, max_batch=3, capture=False)
     assert g.buckets == [1, 2, 3]
     g.close()
+
+
+@pytest.mark.parametrize("name", [TINY_QWEN, TINY_GEMMA])
+def test_passes_fed_on_the_device_equal_the_plain_loop(pairs, name):
+    """The device feed (engine.scheduler): with the overlap, a greedy graph pass whose
+    tokens are the running pass's argmax is launched before that pass's tokens reach the
+    host, its ids taken from the argmax on the device. Rehearsed here with the worker
+    told to wait for the next pass (on the CPU a pass is over when it is launched): the
+    tokens equal the plain engine's, contexts stopping at different lengths included."""
+    plain, graphs = pairs[name]
+    sched = graphs.scheduler
+    saved = (sched.overlap, sched.device_feed, sched.feed_wait_s)
+    sched.overlap, sched.device_feed, sched.feed_wait_s = True, True, 0.2
+    lengths = [9, 3, 7, 5, 12]
+
+    async def greedy(model: Model) -> list[list[int]]:
+        contexts = [Context(model).user(p).cue() for p in PROMPTS]
+        try:
+            gens = await asyncio.gather(
+                *(c.generate(Sampler.greedy(), max_tokens(n)) for c, n in zip(contexts, lengths, strict=True))
+            )
+            return [g.tokens for g in gens]
+        finally:
+            for c in contexts:
+                c.close()
+
+    try:
+        fed = sched.stats.fed_passes
+        ours = asyncio.run(greedy(graphs))
+        assert sched.stats.fed_passes - fed >= max(lengths) // 2  # most passes fed ahead
+    finally:
+        sched.overlap, sched.device_feed, sched.feed_wait_s = saved
+    assert ours == asyncio.run(greedy(plain))
+    assert [len(t) for t in ours] == lengths
+    assert not sched._prelaunched and not sched._queued  # nothing left behind
