@@ -312,16 +312,17 @@ class DecodeGraphs:
         if self.hidden is not None:
             raise ValueError("embedding-input graphs hand their rows to the runner's head: use run()")
         n, cuda = self._replay(steps, fed, fed_rows)
-        out = self.logits[:n].clone()
         argmax = host = ready = None
-        if self.runner.batch_argmax:
-            argmax = out.argmax(dim=-1)
-            host = argmax
-            if cuda:  # the tokens' copy to the host, not waited for here
-                host = torch.empty(n, dtype=torch.long, pin_memory=True)
-                host.copy_(argmax, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
+        with torch.inference_mode():
+            out = self.logits[:n].clone()
+            if self.runner.batch_argmax:
+                argmax = out.argmax(dim=-1)
+                host = argmax
+                if cuda:  # the tokens' copy to the host, not waited for here
+                    host = torch.empty(n, dtype=torch.long, pin_memory=True)
+                    host.copy_(argmax, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record()
         self._count(n)
         return Launched(list(steps), out, argmax, host, ready)
 
