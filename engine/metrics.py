@@ -90,6 +90,9 @@ class MetricsSnapshot:
     overlapped_passes: int = 0
     """Passes handed to the forward worker while the one before still ran (the scheduler's
     overlap, ``engine.scheduler``)."""
+    device_fed_passes: int = 0
+    """Passes launched on the device before the pass whose argmax they take as token ids
+    had returned it to the host (the scheduler's device feed)."""
 
     @property
     def mean_steps_per_pass(self) -> float:

@@ -356,6 +356,7 @@ class Model:
             steps=sched.steps,
             max_steps_in_pass=sched.max_steps_in_pass,
             overlapped_passes=sched.overlapped_passes,
+            device_fed_passes=sched.fed_passes,
             rows_computed=self.runner.rows_computed,
             pages_used=pool.in_use,
             pages_shared=pool.shared,

@@ -58,6 +58,12 @@ class _EngineCollector(Collector):
             "submitted ahead of their tokens; on by default on CUDA, PIE_MEDIA_OVERLAP)",
             labels=["model"],
         )
+        fed = CounterMetricFamily(
+            "pie_media_engine_device_fed_passes",
+            "Graph decode passes launched before the pass whose argmax they take as token ids had "
+            "reached the host (with the overlap on CUDA; PIE_MEDIA_DEVICE_FEED)",
+            labels=["model"],
+        )
         engine_tokens = CounterMetricFamily(
             "pie_media_engine_tokens", "Tokens the engine computed, by kind", labels=["model", "kind"]
         )
@@ -94,12 +100,13 @@ class _EngineCollector(Collector):
             passes.add_metric([served.name], m.passes)
             steps.add_metric([served.name], m.steps)
             overlapped.add_metric([served.name], m.overlapped_passes)
+            fed.add_metric([served.name], m.device_fed_passes)
             engine_tokens.add_metric([served.name, "prompt"], m.prompt_tokens)
             engine_tokens.add_metric([served.name, "generated"], m.generated_tokens)
             drafts.add_metric([served.name, "proposed"], m.drafted_tokens)
             drafts.add_metric([served.name, "accepted"], m.accepted_draft_tokens)
         yield from (in_flight, capacity, pages, contexts, kv_rows, cache, cache_bytes, passes, steps)
-        yield from (engine_tokens, drafts, overlapped)
+        yield from (engine_tokens, drafts, overlapped, fed)
         yield from speech.families()
 
 

@@ -95,3 +95,6 @@ def test_metrics_count_the_overlapped_passes(overlap_server: Server, overlap_cli
     body = httpx.get(f"{overlap_server.url}/metrics", timeout=30).text
     line = next(ln for ln in body.splitlines() if ln.startswith("pie_media_engine_overlapped_passes_total{"))
     assert 'model="tiny-qwen3-vl"' in line and float(line.rsplit(" ", 1)[1]) > 0
+    # The device feed needs CUDA graphs: exported, and 0 on this CPU server.
+    fed = next(ln for ln in body.splitlines() if ln.startswith("pie_media_engine_device_fed_passes_total{"))
+    assert 'model="tiny-qwen3-vl"' in fed and float(fed.rsplit(" ", 1)[1]) == 0
