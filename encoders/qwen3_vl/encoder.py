@@ -322,7 +322,11 @@ class Qwen3VLEncoder(CheckpointEncoder):
         else:
             key, grid_key = "pixel_values_videos", "video_grid_thw"
         tower = self.tower
-        pixels = torch.cat([p.inputs[key] for p in items]).to(device=self.device, dtype=self.dtype)
+        if self.device.type == "cpu":
+            pixels = torch.cat([p.inputs[key] for p in items]).to(dtype=self.dtype)
+        else:  # each item to the device, joined there: no host copy of the whole batch first
+            # (32 images at 448x448 are 154 MB of float32 patches, ~70 ms to join on a CPU)
+            pixels = torch.cat([p.inputs[key].to(self.device, self.dtype, non_blocking=True) for p in items])
         grid = torch.cat([p.inputs[grid_key] for p in items]).to(self.device)
         out = tower(pixels, grid_thw=grid, return_dict=True)
         sizes = [p.token_count for p in items]
