@@ -212,6 +212,25 @@ def measure(model, n: int, steps: int, rounds: int, modes: tuple[bool, ...] = (T
     return out
 
 
+def late(model, n: int, after: int, steps: int, rounds: int) -> dict[str, float]:
+    """Greedy ms per decode pass (wall, and CPU besides sampling) between token ``after``
+    and ``after + steps`` of each context's answer: what a step costs deep into a long
+    answer (a per-token cost that grows with the text so far shows here, not in the
+    first tokens)."""
+    runs: dict[int, list[tuple[float, float, float, int]]] = {}
+    for _ in range(rounds):
+        for tokens in (after, after + steps):
+            runs.setdefault(tokens, []).append(wall(model, n, tokens, False))
+    short, long = runs[after], runs[after + steps]
+    wall_ms = (min(r[0] for r in long) - min(r[0] for r in short)) / steps * 1e3
+    cpu_ms = (min(r[1] - r[2] for r in long) - min(r[1] - r[2] for r in short)) / steps * 1e3
+    return {
+        "after_tokens": after,
+        "greedy_ms_per_step": round(wall_ms, 3),
+        "greedy_cpu_ms_per_step_besides_sampling": round(cpu_ms, 3),
+    }
+
+
 def breakdown(model, n: int, steps: int, sampled: bool) -> dict[str, Any]:
     """Milliseconds per decode pass in each phase ``engine.step_timing`` names, and the
     event loop's CPU time per pass besides those phases (asyncio, the streams' consumers):
@@ -260,6 +279,12 @@ def main() -> None:
     parser.add_argument("--label", default="", help="what this run measures (e.g. before/after)")
     parser.add_argument("--out", default="")
     parser.add_argument(
+        "--late",
+        type=int,
+        default=256,
+        help="also time greedy steps after this many tokens (the middle concurrency; 0: skip)",
+    )
+    parser.add_argument(
         "--overlap",
         choices=("on", "off", "both"),
         default="both",
@@ -286,6 +311,13 @@ def main() -> None:
     for n in counts:
         result["stand_in"][str(n)] = row = measure(model, n, args.steps, args.rounds, modes)
         print(f"stand-in forward, {n:4d} contexts: {row}", flush=True)
+    if args.late:
+        n = counts[len(counts) // 2]
+        # 64+ steps and 3+ rounds: the generations are long, their noise is the steps' size
+        result["late"] = {str(n): late(model, n, args.late, max(64, args.steps), max(3, args.rounds))}
+        print(
+            f"stand-in forward, {n} contexts, after {args.late} tokens: {result['late'][str(n)]}", flush=True
+        )
     if hasattr(model.scheduler, "overlap"):  # an engine with engine.step_timing
         result["breakdown_ms_per_pass"] = {}
         for n in counts:
