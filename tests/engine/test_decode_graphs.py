@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import torch
 
-from engine import Context, InvalidRequestError, Model, Sampler, max_tokens
+from engine import Context, ContextClosedError, InvalidRequestError, Model, Sampler, max_tokens
 from engine.attention_flashinfer import FlashInferBackend
 from engine.decode_graphs import DecodeGraphs
 from engine.forward import StepInput
@@ -220,3 +220,83 @@ def test_passes_fed_on_the_device_equal_the_plain_loop(pairs, name):
     assert ours == asyncio.run(greedy(plain))
     assert [len(t) for t in ours] == lengths
     assert not sched._prelaunched and not sched._queued  # nothing left behind
+
+
+def _feeding(model: Model):
+    """The scheduler set to feed passes on the device (as on CUDA), restored after."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        sched = model.scheduler
+        saved = (sched.overlap, sched.device_feed, sched.feed_wait_s)
+        sched.overlap, sched.device_feed, sched.feed_wait_s = True, True, 0.2
+        try:
+            yield sched
+        finally:
+            sched.overlap, sched.device_feed, sched.feed_wait_s = saved
+
+    return cm()
+
+
+def test_fed_greedy_rows_share_passes_with_seeded_sampled_ones(pairs):
+    """Greedy contexts (fed on the device) and seeded top-p ones (drawn on the host side,
+    never fed) in the same passes: every context's tokens are what the plain loop gives;
+    passes with a sampled row are launched in turn, the others fed."""
+    _, graphs = pairs[TINY_QWEN]
+
+    async def mixed() -> list[list[int]]:
+        async def one(i: int) -> list[int]:
+            sampler = Sampler.top_p(0.9, 0.8) if i % 2 else Sampler.greedy()
+            async with Context(graphs, seed=100 + i) as ctx:
+                ctx.user(PROMPTS[i]).cue()
+                # the sampled ones stop early: the greedy ones' later passes are fed
+                return (await ctx.generate(sampler, max_tokens(5 if i % 2 else 12 + i))).tokens
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
+
+    plain = asyncio.run(mixed())  # the CPU defaults: no overlap, no feed
+    with _feeding(graphs) as sched:
+        fed_before = sched.stats.fed_passes
+        fed = asyncio.run(mixed())
+        assert sched.stats.fed_passes > fed_before
+    assert fed == plain
+
+
+def test_closing_a_fed_context_mid_stream_leaves_no_step_behind(pairs):
+    """A context closed while its consumer holds a token (its next pass possibly launched
+    already): another context started at that moment, which may get its pages, still
+    makes its own tokens, and every page comes back."""
+    _, graphs = pairs[TINY_QWEN]
+    greedy = Sampler.greedy()
+
+    async def alone(prompt: str) -> list[int]:
+        async with Context(graphs) as ctx:
+            ctx.user(prompt).cue()
+            return (await ctx.generate(greedy, max_tokens(6))).tokens
+
+    async def run():
+        solo = await alone(PROMPTS[1])
+        free = graphs.pool.available()
+        a = Context(graphs).user(PROMPTS[0]).cue()
+        others = [asyncio.ensure_future(alone(PROMPTS[3]))]
+        got, b_task = [], None
+        with pytest.raises(ContextClosedError):
+            async for ev in a.stream(greedy, max_tokens(20)):
+                got.append(ev.token)
+                if len(got) == 3:
+                    a.close()
+                    b_task = asyncio.ensure_future(alone(PROMPTS[1]))
+        assert b_task is not None
+        b = await b_task
+        await asyncio.gather(*others)
+        await graphs.scheduler.pass_over()
+        return solo, b, free, graphs.pool.available()
+
+    with _feeding(graphs) as sched:
+        fed_before = sched.stats.fed_passes
+        solo, b, free, after = asyncio.run(run())
+        assert sched.stats.fed_passes > fed_before
+    assert b == solo
+    assert after == free
+    assert not graphs.scheduler._prelaunched and not graphs.scheduler._queued
