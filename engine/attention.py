@@ -163,10 +163,26 @@ def sequence_mask(
     )
 
 
+SCORE_LIMIT = 1 << 26
+"""Most attention scores one batched prefill call may span (sequences x query heads x padded
+query rows x padded key rows): 64 Mi, 256 MiB in float32, which is what SDPA's math path (and
+the softcap path) materialize. A longer group is split; one sequence alone is never split
+(its chunk is bounded by the scheduler), it is attended on its own as before."""
+PAD_WASTE = 2.0
+"""A batched group's padded area (sequences x longest query x longest key run) stays within
+this factor of its real area (sum of query rows x key rows). Sequences sorted by query rows,
+this also keeps the padded K/V gather within 2x of the real K/V rows."""
+
+
 class TorchBackend:
-    """Reference backend: gather each sequence's pages, then scaled-dot-product attention."""
+    """Reference backend: gather the pages, then scaled-dot-product attention, batched across
+    the sequences of a pass (``batch_sequences``; False attends every multi-row sequence on
+    its own, the path benches compare against)."""
 
     name = "torch"
+
+    def __init__(self, *, batch_sequences: bool = True):
+        self.batch_sequences = batch_sequences
 
     def write(self, meta: BatchMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         # key/value: (1, kv_heads, N, head_dim) -> (N, kv_heads, head_dim); the pool
@@ -188,32 +204,56 @@ class TorchBackend:
         blocks = layer in meta.block_overlay_layers
         group = None if softcap is not None else _decode_group(meta, page_size, sliding_window)
         rest = meta.seqs if group is None else group.rest
-        outs = []
+        plan = None
+        if self.batch_sequences and len(rest) >= 2:
+            plan = _prefill_plan(meta, rest, page_size, query.shape[1], whole=group is None)
+        rows = query[0].transpose(0, 1)  # (N, H, D): a view of the projection's layout
+        out: torch.Tensor | None = None
+        if plan is not None:
+            for bucket in plan.buckets:
+                o = _attend_bucket(
+                    meta,
+                    layer,
+                    rows,
+                    bucket,
+                    scaling=scaling,
+                    window=sliding_window,
+                    blocks=blocks,
+                    softcap=softcap,
+                )  # (n, H, D)
+                if plan.whole:
+                    return o.transpose(0, 1).unsqueeze(0)
+                if out is None:
+                    out = rows.new_empty(rows.shape[0], rows.shape[1], o.shape[-1])
+                out.index_copy_(0, bucket.dest, o)
+            rest = plan.singles
         for seq in rest:
             q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, n, D)
             k, v = meta.pool.read_pages(layer, seq.pages, seq.kv_len, q.dtype, seq.first_page)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             mask = sequence_mask(seq, sliding_window=sliding_window, blocks=blocks, device=q.device)
-            outs.append(_attend(q, k, v, mask, seq, scaling=scaling, softcap=softcap))
+            o = _attend(q, k, v, mask, seq, scaling=scaling, softcap=softcap)  # (1, H, n, D)
+            if group is None and plan is None and len(meta.seqs) == 1:
+                return o
+            if out is None:
+                out = rows.new_empty(rows.shape[0], rows.shape[1], o.shape[-1])
+            out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
         if group is None:
-            return torch.cat(outs, dim=2)
+            assert out is not None
+            return out.transpose(0, 1).unsqueeze(0)
         # All single-row causal queries at once: (B, H, 1, D) over (B, kv_heads, Lmax, D)
         # gathered with one index_select of the pass's flat slot table, padding masked out.
-        q = query[0].index_select(1, group.rows).transpose(0, 1).unsqueeze(2)
+        q = rows.index_select(0, group.rows).unsqueeze(2)  # (B, H, 1, D)
         shape = (group.rows.shape[0], group.width, kvh, hd)
         k, v = meta.pool.read(layer, group.slots, q.dtype)
         k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=q.shape[1] != kvh
-        )  # (B, H, 1, D)
-        o = o.squeeze(2).transpose(0, 1)  # (H, B, D)
+        o = _sdpa(q, k, v, group.mask, causal=False, scaling=scaling).squeeze(2)  # (B, H, D)
         if group.in_order:
-            return o.unsqueeze(0)
-        out = o.new_empty(1, o.shape[0], query.shape[2], o.shape[2])
-        for seq, part in zip(rest, outs, strict=True):
-            out[:, :, seq.q_start : seq.q_start + seq.q_len] = part
-        out[0].index_copy_(1, group.rows, o)
-        return out
+            return o.transpose(0, 1).unsqueeze(0)
+        if out is None:
+            out = rows.new_empty(rows.shape[0], rows.shape[1], o.shape[-1])
+        out.index_copy_(0, group.rows, o)
+        return out.transpose(0, 1).unsqueeze(0)
 
 
 @dataclass
@@ -271,6 +311,251 @@ def _decode_group(meta: BatchMeta, page_size: int, sliding_window: int | None) -
     return group
 
 
+@dataclass
+class _Bucket:
+    """Sequences of a pass attended together: queries and keys right-padded to the longest
+    (``lq`` rows, ``lk`` keys), one SDPA call per layer. Index tables are built once per pass;
+    masks once per pass and layer kind (window, media blocks)."""
+
+    seqs: list[SeqMeta]
+    lq: int
+    lk: int
+    q_index: torch.Tensor
+    """(B * lq,) batch row of each padded query row (padding repeats the sequence's last row)."""
+    slots: torch.Tensor
+    """(B * lk,) flat K/V slot of each padded key row (padding: slot 0, masked out)."""
+    keep: torch.Tensor | None
+    """Positions of the real query rows in the flattened (B * lq) output; None: no padding."""
+    dest: torch.Tensor
+    """(n,) the batch row of each kept output row."""
+    rows_in_order: int
+    """n when ``dest`` is 0, 1, ..., n - 1, else -1."""
+    kv_start: torch.Tensor
+    """(B,) on the device; ``q_len`` and ``kv_len`` alike."""
+    q_len: torch.Tensor
+    kv_len: torch.Tensor
+    fresh: bool
+    """Every sequence starts at row 0: plain causal attention needs no mask (right padding
+    is only ever seen by padded query rows, whose outputs are dropped)."""
+    max_kv: int
+    block_ids: torch.Tensor | None
+    """(B, lq) media block id of each padded query row (-1: none), or None when no
+    sequence has any."""
+    masks: dict[Any, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class _PrefillPlan:
+    buckets: list[_Bucket]
+    singles: list[SeqMeta]
+    """Sequences attended on their own (alone in their group)."""
+    whole: bool
+    """One bucket holds every row of the pass in order: its output is the pass's output."""
+
+
+def _group_by_shape(seqs: list[SeqMeta], heads: int) -> list[list[SeqMeta]]:
+    """Greedy groups over sequences sorted by (query rows, key rows), longest first: a
+    sequence joins the open group while the padded area stays within ``PAD_WASTE`` of the
+    real one and the scores within ``SCORE_LIMIT``."""
+    groups: list[list[SeqMeta]] = []
+    cur: list[SeqMeta] = []
+    lq = lk = area = 0
+    for s in sorted(seqs, key=lambda s: (s.q_len, s.kv_len), reverse=True):
+        if cur:
+            nlq, nlk = max(lq, s.q_len), max(lk, s.kv_len)
+            padded = (len(cur) + 1) * nlq * nlk
+            if padded * heads <= SCORE_LIMIT and padded <= PAD_WASTE * (area + s.q_len * s.kv_len):
+                cur.append(s)
+                lq, lk, area = nlq, nlk, area + s.q_len * s.kv_len
+                continue
+            groups.append(cur)
+        cur = [s]
+        lq, lk, area = s.q_len, s.kv_len, s.q_len * s.kv_len
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _prefill_plan(
+    meta: BatchMeta, seqs: list[SeqMeta], page_size: int, heads: int, *, whole: bool
+) -> _PrefillPlan:
+    """Built once per pass and shared by every layer (``meta.cache``). ``whole``: ``seqs``
+    are all of the pass's sequences."""
+    key = ("torch-prefill", page_size, heads, whole)
+    if key in meta.cache:
+        return meta.cache[key]
+    buckets, singles = [], []
+    for group in _group_by_shape(seqs, heads):
+        if len(group) == 1:
+            singles.extend(group)
+        else:
+            buckets.append(_make_bucket(sorted(group, key=lambda s: s.q_start), page_size, meta.slots.device))
+    n_rows = int(meta.slots.shape[0])
+    plan = _PrefillPlan(
+        buckets=buckets,
+        singles=singles,
+        whole=whole and not singles and len(buckets) == 1 and buckets[0].rows_in_order == n_rows,
+    )
+    meta.cache[key] = plan
+    return plan
+
+
+def _make_bucket(seqs: list[SeqMeta], page_size: int, dev: torch.device) -> _Bucket:
+    """Index tables for ``seqs`` (in batch order), computed on the host and copied over once."""
+    n = len(seqs)
+    q_start = torch.tensor([s.q_start for s in seqs])
+    q_len = torch.tensor([s.q_len for s in seqs])
+    kv_start = torch.tensor([s.kv_start for s in seqs])
+    kv_len = q_len + kv_start
+    lq, lk = int(q_len.max()), int(kv_len.max())
+    qpos = torch.arange(lq)
+    q_real = qpos[None, :] < q_len[:, None]  # (B, lq)
+    q_index = q_start[:, None] + torch.minimum(qpos[None, :], q_len[:, None] - 1)
+    # Every sequence's pages in one flat list (plus a 0 that padding key rows point at).
+    n_pages = [-(-int(s.kv_len) // page_size) for s in seqs]
+    first = torch.tensor([0, *n_pages]).cumsum(0)[:-1]
+    flat_pages = torch.cat([*(s.pages[:p] for s, p in zip(seqs, n_pages, strict=True)), _zero(dev)])
+    kpos = torch.arange(lk)
+    k_real = kpos[None, :] < kv_len[:, None]  # (B, lk)
+    page_at = torch.where(k_real, first[:, None] + kpos // page_size, flat_pages.shape[0] - 1)
+    offset = torch.where(k_real, kpos % page_size, 0)
+    slots = flat_pages.index_select(0, page_at.flatten().to(dev)) * page_size + offset.flatten().to(dev)
+    padded = bool((~q_real).any())
+    keep = q_real.flatten().nonzero().squeeze(1) if padded else None
+    dest = (q_start[:, None] + qpos[None, :])[q_real]
+    block_ids = None
+    if any(s.block_ids is not None for s in seqs):
+        ids = [
+            s.block_ids.to(dev, torch.long)
+            if s.block_ids is not None
+            else torch.full((s.q_len,), -1, device=dev)
+            for s in seqs
+        ]
+        flat = torch.full((n * lq,), -1, dtype=torch.long, device=dev)
+        flat.index_copy_(0, (keep if keep is not None else torch.arange(n * lq)).to(dev), torch.cat(ids))
+        block_ids = flat.view(n, lq)
+    return _Bucket(
+        seqs=seqs,
+        lq=lq,
+        lk=lk,
+        q_index=q_index.flatten().to(dev),
+        slots=slots,
+        keep=None if keep is None else keep.to(dev),
+        dest=dest.to(dev),
+        rows_in_order=dest.shape[0] if torch.equal(dest, torch.arange(dest.shape[0])) else -1,
+        kv_start=kv_start.to(dev),
+        q_len=q_len.to(dev),
+        kv_len=kv_len.to(dev),
+        fresh=all(s.kv_start == 0 for s in seqs),
+        max_kv=lk,
+        block_ids=block_ids,
+    )
+
+
+def _zero(dev: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.long, device=dev)
+
+
+def _bucket_mask(bucket: _Bucket, window: int | None, blocks: bool, need: bool) -> torch.Tensor | None:
+    """(B, 1, lq, lk) boolean mask (True = attend) of a bucket, or None when ``is_causal``
+    is exact (fresh causal prefills, no window that bites, no media block; ``need``: a mask
+    is wanted anyway). Same rule as ``sequence_mask`` (``engine.masks.causal_mask``), plus:
+    padded keys are masked out, and a padded query row sees key 0 only (its output is
+    dropped; a row that sees nothing would be NaN)."""
+    window = window if window is not None and bucket.max_kv > window else None
+    use_blocks = blocks and bucket.block_ids is not None
+    if not need and bucket.fresh and window is None and not use_blocks:
+        return None
+    key = (window, use_blocks)
+    if key in bucket.masks:
+        return bucket.masks[key]
+    dev = bucket.slots.device
+    qpos = torch.arange(bucket.lq, device=dev)
+    kpos = torch.arange(bucket.lk, device=dev)[None, :]  # (1, lk)
+    q_rows = bucket.kv_start[:, None] + qpos[None, :]  # (B, lq)
+    q_blocks = k_blocks = None
+    if use_blocks:
+        assert bucket.block_ids is not None
+        # Key row k of a sequence is its query row k - kv_start (a block is computed in one
+        # pass), rows before the pass are in no block.
+        at = (kpos - bucket.kv_start[:, None]).clamp(0, bucket.lq - 1)
+        inside = (kpos >= bucket.kv_start[:, None]) & (kpos < bucket.kv_len[:, None])
+        q_blocks = bucket.block_ids
+        k_blocks = torch.where(inside, q_blocks.gather(1, at), -1)
+    mask = causal_mask(q_rows, kpos, window=window, q_blocks=q_blocks, k_blocks=k_blocks)
+    mask &= (kpos < bucket.kv_len[:, None])[:, None, :]
+    pad_q = qpos[None, :] >= bucket.q_len[:, None]  # (B, lq)
+    mask |= pad_q[:, :, None] & (kpos == 0)[:, None, :]
+    mask = mask.unsqueeze(1)
+    bucket.masks[key] = mask
+    return mask
+
+
+def _attend_bucket(
+    meta: BatchMeta,
+    layer: int,
+    rows: torch.Tensor,
+    bucket: _Bucket,
+    *,
+    scaling: float,
+    window: int | None,
+    blocks: bool,
+    softcap: float | None,
+) -> torch.Tensor:
+    """(n, H, D) outputs of a bucket's real query rows (in ``bucket.dest`` order)."""
+    n, heads, hd = len(bucket.seqs), rows.shape[1], rows.shape[2]
+    q = rows.index_select(0, bucket.q_index).view(n, bucket.lq, heads, hd).transpose(1, 2)
+    k, v = meta.pool.read(layer, bucket.slots, rows.dtype)
+    kvh = k.shape[1]
+    k = k.view(n, bucket.lk, kvh, -1).transpose(1, 2)
+    v = v.view(n, bucket.lk, kvh, -1).transpose(1, 2)
+    mask = _bucket_mask(bucket, window, blocks, need=softcap is not None)
+    if softcap is not None:
+        assert mask is not None
+        o = _softcapped(q, k, v, mask, scaling=scaling, softcap=softcap)
+    else:
+        o = _sdpa(q, k, v, mask, causal=mask is None, scaling=scaling)  # (B, H, lq, Dv)
+    o = o.transpose(1, 2).reshape(n * bucket.lq, heads, -1)
+    return o if bucket.keep is None else o.index_select(0, bucket.keep)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    scaling: float,
+) -> torch.Tensor:
+    """SDPA with grouped K/V heads. On CUDA, SDPA's GQA mode runs only in the flash and math
+    kernels and flash takes no mask: a masked call there gets K/V repeated to every query
+    head (as transformers' sdpa path does), so the memory-efficient kernel can take it
+    rather than the math path."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and mask is not None and q.device.type == "cuda":
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        groups = 1
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=groups > 1
+    )
+
+
+def _softcapped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scaling: float, softcap: float
+) -> torch.Tensor:
+    """Attention with tanh-capped scores (Gemma-2's ``attn_logit_softcapping``), as the
+    reference computes it; ``mask`` broadcasts over (B, H, Lq, Lk)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scaling
+    w = torch.tanh(w / softcap) * softcap
+    w = w.masked_fill(~mask, float("-inf"))
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v)
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -281,27 +566,18 @@ def _attend(
     scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
     if softcap is not None:
         if mask is None:
             mask = sequence_causal_mask(seq.kv_start, seq.kv_len, device=q.device)
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        w = torch.matmul(q, k.transpose(2, 3)) * scaling
-        w = torch.tanh(w / softcap) * softcap
-        w = w.masked_fill(~mask, float("-inf"))
-        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(w, v)
+        return _softcapped(q, k, v, mask, scaling=scaling, softcap=softcap)
     if mask is None:
         # Plain causal over the whole history: the last q_len keys are the queries' own rows.
         if seq.q_len == 1:
-            return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=groups > 1)
+            return _sdpa(q, k, v, None, causal=False, scaling=scaling)
         if seq.kv_start == 0:
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1
-            )
+            return _sdpa(q, k, v, None, causal=True, scaling=scaling)
         mask = sequence_causal_mask(seq.kv_start, seq.kv_len, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    return _sdpa(q, k, v, mask, causal=False, scaling=scaling)
 
 
 TORCH_BACKEND = TorchBackend()

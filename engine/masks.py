@@ -27,14 +27,21 @@ def causal_mask(
 ) -> torch.Tensor:
     """(len(q_rows), len(k_rows)) boolean mask of queries at rows ``q_rows`` over keys at
     rows ``k_rows``: causal, widened to whole blocks where ``q_blocks`` / ``k_blocks`` (the
-    block id of each query / key row, -1 = none) match, then cut to ``window``."""
-    allowed = k_rows[None, :] <= q_rows[:, None]
+    block id of each query / key row, -1 = none) match, then cut to ``window``.
+
+    Leading dimensions broadcast: ``q_rows`` (B, Lq) and ``k_rows`` (B or 1, Lk) (blocks
+    alike) give the (B, Lq, Lk) masks of B padded sequences at once (the torch backend's
+    batched prefill)."""
+    q = q_rows[..., :, None]
+    k = k_rows[..., None, :]
+    allowed = k <= q
     if q_blocks is not None:
         if k_blocks is None:
             raise ValueError("q_blocks needs k_blocks (the block id of every key row)")
-        allowed |= (q_blocks[:, None] == k_blocks[None, :]) & (q_blocks[:, None] >= 0)
+        qb = q_blocks[..., :, None]
+        allowed |= (qb == k_blocks[..., None, :]) & (qb >= 0)
     if window is not None:
-        allowed &= k_rows[None, :] > q_rows[:, None] - window
+        allowed &= k > q - window
     return allowed
 
 
