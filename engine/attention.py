@@ -243,11 +243,18 @@ class TorchBackend:
             return out.transpose(0, 1).unsqueeze(0)
         # All single-row causal queries at once: (B, H, 1, D) over (B, kv_heads, Lmax, D)
         # gathered with one index_select of the pass's flat slot table, padding masked out.
-        q = rows.index_select(0, group.rows).unsqueeze(2)  # (B, H, 1, D)
-        shape = (group.rows.shape[0], group.width, kvh, hd)
+        # A kv head's query heads are folded into query rows, (B, kv_heads, H / kv_heads, D):
+        # no GQA mode needed and no K/V repeated on any device (the mask broadcasts over the
+        # rows); on the CPU it measured 5-25% faster than SDPA's enable_gqa.
+        n = group.rows.shape[0]
+        q = rows.index_select(0, group.rows)  # (B, H, D)
+        shape = (n, group.width, kvh, hd)
         k, v = meta.pool.read(layer, group.slots, q.dtype)
         k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
-        o = _sdpa(q, k, v, group.mask, causal=False, scaling=scaling).squeeze(2)  # (B, H, D)
+        o = F.scaled_dot_product_attention(
+            q.view(n, kvh, -1, q.shape[2]), k, v, attn_mask=group.mask, scale=scaling
+        )
+        o = o.reshape(n, q.shape[1], -1)  # (B, H, Dv)
         if group.in_order:
             return o.transpose(0, 1).unsqueeze(0)
         if out is None:
@@ -320,8 +327,9 @@ class _Bucket:
     seqs: list[SeqMeta]
     lq: int
     lk: int
-    q_index: torch.Tensor
-    """(B * lq,) batch row of each padded query row (padding repeats the sequence's last row)."""
+    q_index: torch.Tensor | None
+    """(B * lq,) batch row of each padded query row (padding repeats the sequence's last row);
+    None when that is 0, 1, ..., B * lq - 1 (no padding, rows in order: a view serves)."""
     slots: torch.Tensor
     """(B * lk,) flat K/V slot of each padded key row (padding: slot 0, masked out)."""
     keep: torch.Tensor | None
@@ -438,7 +446,7 @@ def _make_bucket(seqs: list[SeqMeta], page_size: int, dev: torch.device) -> _Buc
         seqs=seqs,
         lq=lq,
         lk=lk,
-        q_index=q_index.flatten().to(dev),
+        q_index=None if torch.equal(q_index.flatten(), torch.arange(n * lq)) else q_index.flatten().to(dev),
         slots=slots,
         keep=None if keep is None else keep.to(dev),
         dest=dest.to(dev),
@@ -504,7 +512,10 @@ def _attend_bucket(
 ) -> torch.Tensor:
     """(n, H, D) outputs of a bucket's real query rows (in ``bucket.dest`` order)."""
     n, heads, hd = len(bucket.seqs), rows.shape[1], rows.shape[2]
-    q = rows.index_select(0, bucket.q_index).view(n, bucket.lq, heads, hd).transpose(1, 2)
+    if bucket.q_index is None:
+        q = rows.narrow(0, 0, n * bucket.lq).reshape(n, bucket.lq, heads, hd).transpose(1, 2)
+    else:
+        q = rows.index_select(0, bucket.q_index).view(n, bucket.lq, heads, hd).transpose(1, 2)
     k, v = meta.pool.read(layer, bucket.slots, rows.dtype)
     kvh = k.shape[1]
     k = k.view(n, bucket.lk, kvh, -1).transpose(1, 2)
@@ -528,16 +539,26 @@ def _sdpa(
     causal: bool,
     scaling: float,
 ) -> torch.Tensor:
-    """SDPA with grouped K/V heads. On CUDA, SDPA's GQA mode runs only in the flash and math
-    kernels and flash takes no mask: a masked call there gets K/V repeated to every query
-    head (as transformers' sdpa path does), so the memory-efficient kernel can take it
-    rather than the math path."""
+    """SDPA with grouped K/V heads. On CUDA, SDPA's GQA mode runs only in the flash kernel
+    (float16/bfloat16, head size <= 256, no mask) and the math path: any other call gets K/V
+    repeated to every query head (as transformers' sdpa path does), so that the
+    memory-efficient kernel can take it rather than the math path. On the CPU, SDPA's own
+    kernel takes GQA with or without a mask."""
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and mask is not None and q.device.type == "cuda":
+    if groups > 1 and q.device.type == "cuda" and not _cuda_flash_gqa(q, mask):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         groups = 1
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=groups > 1
+    )
+
+
+def _cuda_flash_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    return (
+        mask is None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
     )
 
 

@@ -156,10 +156,12 @@ def _counting_sdpa(monkeypatch) -> list[tuple[int, ...]]:
     return calls
 
 
-def test_32_image_prompts_are_one_sdpa_call(monkeypatch):
-    """A pass of 32 fresh prompts of similar length: one call (not 32), the output written
-    in place (no scatter), and equal to the per-sequence path."""
-    lengths = [290 + (7 * i) % 23 for i in range(32)]
+@pytest.mark.parametrize("equal", [False, True])
+def test_32_image_prompts_are_one_sdpa_call(monkeypatch, equal):
+    """A pass of 32 fresh prompts of similar (or equal: no padding, queries read in place)
+    length: one call (not 32), the output written in place (no scatter), and equal to the
+    per-sequence path."""
+    lengths = [300 if equal else 290 + (7 * i) % 23 for i in range(32)]
     meta, query = _pass([(0, n, None) for n in lengths], page_size=16)
     calls = _counting_sdpa(monkeypatch)
     batched = _fresh(meta)
@@ -167,6 +169,7 @@ def test_32_image_prompts_are_one_sdpa_call(monkeypatch):
     assert calls == [(32, 4, max(lengths), 16)]
     plan = next(v for k, v in batched.cache.items() if k[0] == "torch-prefill")
     assert plan.whole and not plan.singles
+    assert (plan.buckets[0].q_index is None) == equal
     calls.clear()
     theirs = PER_SEQUENCE.attend(_fresh(meta), 0, query, scaling=0.25, sliding_window=None, softcap=None)
     assert len(calls) == 32
