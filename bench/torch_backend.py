@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads on the CPU")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--note", default="", help="saved with the figures (what the run shows)")
     args = parser.parse_args(argv)
 
     cuda = args.device.startswith("cuda")
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "image_size": size,
         "tokens_per_caption": tokens,
         "repeats": args.repeats,
+        "note": args.note,
         "levels": {},
     }
     with checkpoint(shape, args.device, dtype) as path:

@@ -27,8 +27,14 @@ Backends plug in through ``AttentionBackend`` (``write`` this step's K/V, ``atte
   With a quantized pool (``kv_dtype`` int8 / fp8_e4m3) ``write`` quantizes through
   ``KVPool.write`` and the gathers dequantize to the query's dtype (``KVPool.read``).
   It attends all one-row queries of a pass (decode steps) in one padded SDPA call over
-  K/V gathered with a slot table built once per pass and shared by every layer; prefill
-  chunks and media-block rows go one sequence at a time.
+  K/V gathered with a slot table built once per pass and shared by every layer. The other
+  sequences (prefill chunks, with or without a KV prefix, media-block rows; every sequence
+  under a softcap) are grouped by shape (padding within ``PAD_WASTE`` of the real area,
+  scores within ``SCORE_LIMIT``) and each group is one right-padded SDPA call per layer:
+  query/slot/scatter tables built once per pass, masks once per pass and layer kind, and no
+  mask at all for fresh causal prefills (``is_causal`` is exact under right padding). A
+  sequence alone in its group is attended on its own. ``TorchBackend(batch_sequences=False)``
+  attends every multi-row sequence on its own (the path before; ``bench/torch_backend.py``).
 * ``flashinfer`` (``engine.attention_flashinfer``; CUDA, float16/bfloat16): flashinfer's
   paged kernels read the pool in place (its ``"NHD"`` layout is ours): the batch decode
   wrapper for one-row queries, the batch prefill wrapper (causal) for chunks, and the
@@ -294,21 +300,17 @@ def _decode_group(meta: BatchMeta, page_size: int, sliding_window: int | None) -
     group = None
     if len(group_seqs) >= 2:
         dev = meta.slots.device
-        kv_lens = torch.tensor([s.kv_len for s in group_seqs], dtype=torch.long, device=dev)
-        lmax = int(max(s.kv_len for s in group_seqs))
-        n_pages = -(-lmax // page_size)
-        table = torch.zeros(len(group_seqs), n_pages, dtype=torch.long, device=dev)
-        for i, s in enumerate(group_seqs):
-            pages = s.pages[: -(-s.kv_len // page_size)]
-            table[i, : pages.shape[0]] = pages
-        pos = torch.arange(lmax, device=dev)
+        kv_lens = torch.tensor([s.kv_len for s in group_seqs])
+        lmax = int(kv_lens.max())
+        page_at, offset = _slot_index(group_seqs, kv_lens, lmax, page_size)
+        q_rows = torch.tensor([s.q_start for s in group_seqs])
+        sizes = [page_at.numel(), offset.numel(), kv_lens.numel(), q_rows.numel()]
+        page_at, offset, kv_lens, rows = torch.cat([page_at, offset, kv_lens, q_rows]).to(dev).split(sizes)
         # Each query is its sequence's last row (kv_len - 1): keys past it are padding.
-        valid = causal_mask(kv_lens - 1, pos, window=sliding_window)
-        slots = table[:, pos // page_size] * page_size + pos % page_size
-        rows = torch.tensor([s.q_start for s in group_seqs], dtype=torch.long, device=dev)
+        valid = causal_mask(kv_lens - 1, torch.arange(lmax, device=dev), window=sliding_window)
         group = _DecodeGroup(
             rows=rows,
-            slots=torch.where(valid, slots, torch.zeros_like(slots)).flatten(),
+            slots=_slots(group_seqs, page_at, offset, page_size),
             width=lmax,
             mask=valid[:, None, None, :],
             rest=rest,
@@ -409,7 +411,8 @@ def _prefill_plan(
 
 
 def _make_bucket(seqs: list[SeqMeta], page_size: int, dev: torch.device) -> _Bucket:
-    """Index tables for ``seqs`` (in batch order), computed on the host and copied over once."""
+    """Index tables for ``seqs`` (in batch order), computed on the host and copied to the
+    device in one transfer."""
     n = len(seqs)
     q_start = torch.tensor([s.q_start for s in seqs])
     q_len = torch.tensor([s.q_len for s in seqs])
@@ -418,19 +421,28 @@ def _make_bucket(seqs: list[SeqMeta], page_size: int, dev: torch.device) -> _Buc
     lq, lk = int(q_len.max()), int(kv_len.max())
     qpos = torch.arange(lq)
     q_real = qpos[None, :] < q_len[:, None]  # (B, lq)
-    q_index = q_start[:, None] + torch.minimum(qpos[None, :], q_len[:, None] - 1)
-    # Every sequence's pages in one flat list (plus a 0 that padding key rows point at).
-    n_pages = [-(-int(s.kv_len) // page_size) for s in seqs]
-    first = torch.tensor([0, *n_pages]).cumsum(0)[:-1]
-    flat_pages = torch.cat([*(s.pages[:p] for s, p in zip(seqs, n_pages, strict=True)), _zero(dev)])
-    kpos = torch.arange(lk)
-    k_real = kpos[None, :] < kv_len[:, None]  # (B, lk)
-    page_at = torch.where(k_real, first[:, None] + kpos // page_size, flat_pages.shape[0] - 1)
-    offset = torch.where(k_real, kpos % page_size, 0)
-    slots = flat_pages.index_select(0, page_at.flatten().to(dev)) * page_size + offset.flatten().to(dev)
-    padded = bool((~q_real).any())
-    keep = q_real.flatten().nonzero().squeeze(1) if padded else None
+    q_index = (q_start[:, None] + torch.minimum(qpos[None, :], q_len[:, None] - 1)).flatten()
+    keep = q_real.flatten().nonzero().squeeze(1) if not bool(q_real.all()) else None
     dest = (q_start[:, None] + qpos[None, :])[q_real]
+    identity_q = torch.equal(q_index, torch.arange(n * lq))
+    page_at, offset = _slot_index(seqs, kv_len, lk, page_size)
+    parts = {
+        "page_at": page_at,
+        "offset": offset,
+        "dest": dest,
+        "kv_start": kv_start,
+        "q_len": q_len,
+        "kv_len": kv_len,
+        **({} if identity_q else {"q_index": q_index}),
+        **({} if keep is None else {"keep": keep}),
+    }
+    on_dev = dict(
+        zip(
+            parts,
+            torch.cat(list(parts.values())).to(dev).split([t.numel() for t in parts.values()]),
+            strict=True,
+        )
+    )
     block_ids = None
     if any(s.block_ids is not None for s in seqs):
         ids = [
@@ -440,28 +452,50 @@ def _make_bucket(seqs: list[SeqMeta], page_size: int, dev: torch.device) -> _Buc
             for s in seqs
         ]
         flat = torch.full((n * lq,), -1, dtype=torch.long, device=dev)
-        flat.index_copy_(0, (keep if keep is not None else torch.arange(n * lq)).to(dev), torch.cat(ids))
+        if keep is None:
+            flat.copy_(torch.cat(ids))
+        else:
+            flat.index_copy_(0, on_dev["keep"], torch.cat(ids))
         block_ids = flat.view(n, lq)
     return _Bucket(
         seqs=seqs,
         lq=lq,
         lk=lk,
-        q_index=None if torch.equal(q_index.flatten(), torch.arange(n * lq)) else q_index.flatten().to(dev),
-        slots=slots,
-        keep=None if keep is None else keep.to(dev),
-        dest=dest.to(dev),
+        q_index=on_dev.get("q_index"),
+        slots=_slots(seqs, on_dev["page_at"], on_dev["offset"], page_size),
+        keep=on_dev.get("keep"),
+        dest=on_dev["dest"],
         rows_in_order=dest.shape[0] if torch.equal(dest, torch.arange(dest.shape[0])) else -1,
-        kv_start=kv_start.to(dev),
-        q_len=q_len.to(dev),
-        kv_len=kv_len.to(dev),
+        kv_start=on_dev["kv_start"],
+        q_len=on_dev["q_len"],
+        kv_len=on_dev["kv_len"],
         fresh=all(s.kv_start == 0 for s in seqs),
         max_kv=lk,
         block_ids=block_ids,
     )
 
 
-def _zero(dev: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.long, device=dev)
+def _slot_index(
+    seqs: list[SeqMeta], kv_len: torch.Tensor, width: int, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host side of a padded slot table: for key row k < ``width`` of each sequence, the
+    index of its page in the sequences' pages laid end to end (``_slots``) and its offset
+    in the page; rows past a sequence's ``kv_len`` point at the extra entry after them (0)."""
+    n_pages = [-(-int(s.kv_len) // page_size) for s in seqs]
+    first = torch.tensor([0, *n_pages]).cumsum(0)
+    kpos = torch.arange(width)
+    real = kpos[None, :] < kv_len[:, None]  # (B, width)
+    page_at = torch.where(real, first[:-1, None] + kpos // page_size, first[-1])
+    offset = torch.where(real, kpos % page_size, 0)
+    return page_at.flatten(), offset.flatten()
+
+
+def _slots(seqs: list[SeqMeta], page_at: torch.Tensor, offset: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Device side: flat K/V slot of every padded key row (padding: slot 0), from the
+    sequences' pages joined in one ``cat`` (not one copy per sequence)."""
+    pages = [s.pages[: -(-int(s.kv_len) // page_size)] for s in seqs]
+    flat = torch.cat([*pages, torch.zeros(1, dtype=pages[0].dtype, device=pages[0].device)])
+    return flat.index_select(0, page_at) * page_size + offset
 
 
 def _bucket_mask(bucket: _Bucket, window: int | None, blocks: bool, need: bool) -> torch.Tensor | None:
