@@ -17,12 +17,17 @@ This kernel reads each row a few times, in order, and sorts only a few dozen tok
 4. each filter is a cut in the tokens' order (value descending, then id descending):
    top-k walks the bins' counts, top-p their masses (over what top-k keeps), min-p the
    bins around ``-log(min_p)``; only the tokens of the bin where a cut falls are
-   gathered (one scan of the bin indices) and sorted,
-   and the strictest cut wins (every filter keeps an upper set of that order);
+   gathered (a vectorised count per block of 64 bin indices, then the blocks that hold
+   one token by token) and sorted,
+   and the strictest cut wins (every filter keeps an upper set of that order); the cut
+   bin's dropped tokens are then moved one bin on, so that "kept" is ``bin <= cut bin``;
 5. the draw: the first token, in vocabulary order, whose kept cumulative mass exceeds
    ``u`` times the kept mass (block sums first, then one block token by token): the same
    inverse-CDF draw as ``engine.sampling``'s torch code, so a seeded row draws the same
-   token unless ``u`` falls within float rounding of a step of the CDF.
+   token unless ``u`` falls within float rounding of a step of the CDF. The block sums
+   add in a fixed order, the one this kernel's earlier, auto-vectorised loop used here,
+   so seeded draws are the same as before it (and no longer depend on the machine's
+   vector width).
 
 What is kept is what ``engine.sampling.probs`` keeps (transformers' warper chain), up to
 float rounding at a top-p or min-p boundary, and one rule where transformers has none:
@@ -187,15 +192,39 @@ def _compile():
                 hc[bins[j]] += 1
 
     @njit
-    def members(x, temp, bins, lo_b, hi_b, idx):
+    def block_hits(bins, lo_b, hi_b, hits):
+        """Per block of 64 tokens, how many have a bin in lo_b..hi_b (vectorised: a fixed
+        trip count from a provably non-negative index, so no gather)."""
+        span = np.uint16(hi_b - lo_b)
+        lo16 = np.uint16(lo_b)
+        for c in range(bins.shape[0] // 64):
+            base = c * 64
+            h = 0
+            for k in range(64):
+                h += np.uint16(bins[base + k] - lo16) <= span
+            hits[c] = h
+
+    @njit
+    def members(x, temp, bins, lo_b, hi_b, idx, hits):
         """The tokens of bins lo_b..hi_b by value descending, then id descending:
-        (ids, values)."""
+        (ids, values). Only the blocks of 64 that hold one are read token by token."""
         n = 0
-        for j in range(x.shape[0] - 1, -1, -1):
+        vocab = x.shape[0]
+        full = vocab // 64
+        block_hits(bins, lo_b, hi_b, hits)
+        for j in range(vocab - 1, full * 64 - 1, -1):
             b = bins[j]
             if b >= lo_b and b <= hi_b:
                 idx[n] = j
                 n += 1
+        for c in range(full - 1, -1, -1):
+            if hits[c] == 0:
+                continue
+            for j in range(c * 64 + 63, c * 64 - 1, -1):
+                b = bins[j]
+                if b >= lo_b and b <= hi_b:
+                    idx[n] = j
+                    n += 1
         ids = idx[:n].copy()
         vals = np.empty(n, dtype=np.float32)
         tied = True
@@ -208,7 +237,7 @@ def _compile():
         return ids[order], vals[order]
 
     @njit
-    def cut(x, temp, k, p, m, inv_w, e, bins, hm, hc, idx):
+    def cut(x, temp, k, p, m, inv_w, e, bins, hm, hc, idx, hits):
         """The strictest filter's cut (bin, value, id): token j is kept iff
         ``kept(bins[j], x[j] / temp, j, *cut)``."""
         vocab = x.shape[0]
@@ -226,7 +255,7 @@ def _compile():
             while bk < nbins - 1 and count + hc[bk] < k:
                 count += hc[bk]
                 bk += 1
-            ids, vals = members(x, temp, bins, bk, bk, idx)
+            ids, vals = members(x, temp, bins, bk, bk, idx, hits)
             kth = vals[k - count - 1]
             cut_b, cut_t, cut_id = bk, kth, 0
             zk = 0.0
@@ -249,7 +278,7 @@ def _compile():
                     break
                 before += mb
             if bp >= 0:
-                ids, vals = members(x, temp, bins, bp, bp, idx)
+                ids, vals = members(x, temp, bins, bp, bp, idx, hits)
                 last_t, last_id = vals[0], ids[0]
                 for i in range(vals.shape[0]):
                     if (bp == bk and vals[i] < cut_t) or before >= target_p:
@@ -266,7 +295,7 @@ def _compile():
             lo_b = min(max(int((thr - 1e-4) * inv_w) - 1, 0), nbins - 1)
             hi_b = min(int((thr + 1e-4) * inv_w) + 1, nbins - 1)
             mb, mt = lo_b, np.inf  # nothing in the band kept: the bins before it only
-            ids, vals = members(x, temp, bins, lo_b, hi_b, idx)
+            ids, vals = members(x, temp, bins, lo_b, hi_b, idx, hits)
             for i in range(ids.shape[0]):
                 if e[ids[i]] >= m and (mt == np.inf or vals[i] < mt):
                     mb, mt = bins[ids[i]], vals[i]
@@ -274,12 +303,51 @@ def _compile():
                 cut_b, cut_t, cut_id = mb, mt, 0
         return cut_b, cut_t, cut_id
 
-    @fast
+    @njit
+    def mark(x, temp, bins, cut_b, cut_t, cut_id, idx, hits):
+        """Moves the cut bin's dropped tokens one bin on (to ``cut_b + 1``, a bin nothing
+        reads after this), so that token j is kept iff ``bins[j] <= cut_b``."""
+        if cut_b >= nbins:
+            return
+        ids, vals = members(x, temp, bins, cut_b, cut_b, idx, hits)
+        for i in range(ids.shape[0]):
+            if not kept(cut_b, vals[i], ids[i], cut_b, cut_t, cut_id):
+                bins[ids[i]] = cut_b + 1
+
+    @njit
     def kept_block_sums(x, temp, e, bins, cut_b, cut_t, cut_id, sums):
-        """Per block of 256 tokens (vocabulary order), the mass of the kept ones: every
-        token of a bin before ``cut_b``, and those of the cut's own bin that ``kept``
-        keeps. Branch-free with a fixed trip count, so LLVM vectorises it (a loop bounded
-        by ``min(vocab, ...)`` it does not: 4-10x slower); the last, partial block apart."""
+        """Per block of 256 tokens (vocabulary order), the mass of the kept ones (``mark``
+        first: token j is kept iff ``bins[j] <= cut_b``), in float32, summed in the order
+        the vectorised loop of the kernel before this one summed them (on this AVX-512
+        machine: 32 lanes of 8 steps each, lanes j, j + 8, j + 16, j + 24 paired, then
+        halved), written out so that seeded draws stay what they were, on every machine.
+        Elementwise over the lanes, so LLVM still vectorises it without reassociating."""
+        vocab = e.shape[0]
+        full = vocab // 256
+        acc = np.empty(32, dtype=np.float32)
+        v = np.empty(8, dtype=np.float32)
+        for i in range(full):
+            base = i * 256
+            for lane in range(32):
+                acc[lane] = e[base + lane] * np.float32(np.int32(bins[base + lane]) <= cut_b)
+            for step in range(1, 8):
+                o = base + step * 32
+                for lane in range(32):
+                    acc[lane] += e[o + lane] * np.float32(np.int32(bins[o + lane]) <= cut_b)
+            for lane in range(8):
+                v[lane] = (acc[lane] + acc[lane + 8]) + (acc[lane + 16] + acc[lane + 24])
+            w0, w1, w2, w3 = v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]
+            sums[i] = (w0 + w2) + (w1 + w3)
+        if full < sums.shape[0]:  # the partial block: the old loop itself, it is short
+            start = full * 256
+            tail = np.zeros(1)
+            partial_block_sum(x[start:], temp, e[start:], bins[start:], cut_b, cut_t, cut_id - start, tail)
+            sums[full] = tail[0]
+
+    @fast
+    def partial_block_sum(x, temp, e, bins, cut_b, cut_t, cut_id, sums):
+        """The kept mass of fewer than 256 tokens, as the kernel before this one summed a
+        row's partial last block (the same code, so LLVM sums in the same order)."""
         vocab = e.shape[0]
         full = vocab // 256
         for i in range(full):
@@ -303,7 +371,7 @@ def _compile():
     def draw(x, temp, e, bins, cut_b, cut_t, cut_id, u, mass):
         """The first token whose kept cumulative mass, in vocabulary order, exceeds u times
         the kept mass (blocks of 256 summed first); never a zero-probability token."""
-        vocab = x.shape[0]
+        vocab = e.shape[0]
         kept_block_sums(x, temp, e, bins, cut_b, cut_t, cut_id, mass)
         total = 0.0
         for i in range(mass.shape[0]):
@@ -321,7 +389,7 @@ def _compile():
                 c += mass[i]
                 continue
             for j in range(i * 256, min(vocab, i * 256 + 256)):
-                if e[j] > 0 and kept(bins[j], x[j] / temp, j, cut_b, cut_t, cut_id):
+                if e[j] > 0 and bins[j] <= cut_b:
                     c += e[j]
                     if c > target:
                         return j
@@ -329,7 +397,7 @@ def _compile():
         if last_block < 0:
             return -1
         for j in range(min(vocab, last_block * 256 + 256) - 1, last_block * 256 - 1, -1):
-            if e[j] > 0 and kept(bins[j], x[j] / temp, j, cut_b, cut_t, cut_id):
+            if e[j] > 0 and bins[j] <= cut_b:
                 return j
         return -1
 
@@ -365,6 +433,7 @@ def _compile():
         e = np.empty(vocab, dtype=np.float32)
         bins = np.empty(vocab, dtype=np.uint16)
         idx = np.empty(vocab, dtype=np.int64)
+        hits = np.empty(vocab // 64 + 1, dtype=np.int64)
         hm = np.empty(nbins)
         hc = np.empty(nbins, dtype=np.int64)
         mass = np.empty((vocab + 255) // 256)
@@ -378,7 +447,8 @@ def _compile():
             inv_w = prepare(row, mx_raw, los[r], temp, e, bins, hm, hc, filtered, 0 < k < vocab)
             cut_b, cut_t, cut_id = nbins, -np.inf, 0
             if filtered:
-                cut_b, cut_t, cut_id = cut(row, temp, k, p, m, inv_w, e, bins, hm, hc, idx)
+                cut_b, cut_t, cut_id = cut(row, temp, k, p, m, inv_w, e, bins, hm, hc, idx, hits)
+                mark(row, temp, bins, cut_b, cut_t, cut_id, idx, hits)
             out[r] = draw(row, temp, e, bins, cut_b, cut_t, cut_id, us[r], mass)
 
     @njit
@@ -387,13 +457,15 @@ def _compile():
         e = np.empty(vocab, dtype=np.float32)
         bins = np.empty(vocab, dtype=np.uint16)
         idx = np.empty(vocab, dtype=np.int64)
+        hits = np.empty(vocab // 64 + 1, dtype=np.int64)
         hm = np.empty(nbins)
         hc = np.empty(nbins, dtype=np.int64)
         for r in range(x.shape[0]):
             row, temp = x[r], temps[r]
             inv_w = prepare(row, his[r], los[r], temp, e, bins, hm, hc, True, 0 < ks[r] < vocab)
-            cb, ct, ci = cut(row, temp, ks[r], ps[r], ms[r], inv_w, e, bins, hm, hc, idx)
+            cb, ct, ci = cut(row, temp, ks[r], ps[r], ms[r], inv_w, e, bins, hm, hc, idx, hits)
+            mark(row, temp, bins, cb, ct, ci, idx, hits)
             for j in range(vocab):
-                out[r, j] = e[j] > 0 and kept(bins[j], row[j] / temp, j, cb, ct, ci)
+                out[r, j] = e[j] > 0 and bins[j] <= cb
 
     return {name: fn for name, fn in locals().items() if isinstance(fn, numba.core.registry.CPUDispatcher)}
