@@ -130,15 +130,16 @@ def stages(new: ModuleType, rounds: int) -> dict:
     def best(fn) -> float:
         return round(min(timed(fn) for _ in range(rounds)) * 1e3, 4)
 
-    out = {"numpy max + min": best(lambda: (x.max(), x.min()))}
-    mx, mn = x.max(), x.min()
+    bits = x.view(np.int32)
+    out = {"extremes (max, min, NaN)": best(lambda: k["extremes"](bits))}
+    mx, mn, _ = k["extremes"](bits)
     out["prepare (exps, histogram)"] = best(
         lambda: k["prepare"](x, mx, mn, temp, e, bins, hm, hc, True, False)
     )
     inv_w = k["prepare"](x, mx, mn, temp, e, bins, hm, hc, True, False)
     out["cut (top-p)"] = best(lambda: k["cut"](x, temp, 0, 0.9, 0.0, inv_w, e, bins, hm, hc, idx, hits))
-    cb, ct, ci = k["cut"](x, temp, 0, 0.9, 0.0, inv_w, e, bins, hm, hc, idx, hits)
-    out["mark"] = best(lambda: k["mark"](x, temp, bins, cb, ct, ci, idx, hits))
+    cb, ct, ci, ids, vals = k["cut"](x, temp, 0, 0.9, 0.0, inv_w, e, bins, hm, hc, idx, hits)
+    out["mark"] = best(lambda: k["mark"](x, temp, bins, cb, ct, ci, ids, vals, idx, hits))
     out["draw (block sums, walk)"] = best(lambda: k["draw"](x, temp, e, bins, cb, ct, ci, 0.5, mass))
     for name, ms in out.items():
         print(f"    {name:32} {ms} ms", flush=True)

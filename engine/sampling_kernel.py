@@ -6,7 +6,8 @@ Why: a top-p row sorted all of its 151,936 logits (16 ms a row here, 0.5 s for a
 them in its nucleus, so taking the top 1024 candidates first would not help it either.
 This kernel reads each row a few times, in order, and sorts only a few dozen tokens:
 
-1. the row's max and min (numpy); ``t = logits / T`` as torch divides (float32);
+1. the row's max and min (one vectorised pass over its bits as ordered integers, which
+   also finds NaNs); ``t = logits / T`` as torch divides (float32);
 2. ``e = exp(t - max)`` and each token's bin, ``floor((max - t) / w)`` of 4096 equal-width
    bins (``w`` = the row's range / 4095, at most 1/64; what falls past the last bin
    shares it), vectorised: ``exp(-d) = exp(-i / 64) * exp(-r)`` with ``i = floor(64 d)``
@@ -92,11 +93,11 @@ def sample_rows(
     -1 marks a row that cannot be sampled (NaN, +inf, or no finite logit)."""
     kernels = _get()
     assert kernels is not None, "sample_rows needs numba (check available())"
-    x, hi, lo = _prepare(logits)
+    x = _rows(logits)
     out = np.empty(x.shape[0], dtype=np.int64)
     if x.shape[0]:
         kernels["batch"](
-            x, hi, lo, *_params(temperature, top_k, top_p, min_p), np.asarray(u, np.float64), out
+            x, x.view(np.int32), *_params(temperature, top_k, top_p, min_p), np.asarray(u, np.float64), out
         )
     return out
 
@@ -108,18 +109,15 @@ def kept_masks(
     filters), for rows with a finite max (what the tests compare with the definitions)."""
     kernels = _get()
     assert kernels is not None, "kept_masks needs numba (check available())"
-    x, hi, lo = _prepare(logits)
+    x = _rows(logits)
     out = np.zeros(x.shape, dtype=np.bool_)
-    kernels["masks"](x, hi, lo, *_params(temperature, top_k, top_p, min_p), out)
+    kernels["masks"](x, x.view(np.int32), *_params(temperature, top_k, top_p, min_p), out)
     return out
 
 
-def _prepare(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows as float32 numpy (contiguous), their max and min (numpy's are vectorised,
-    numba's NaN-aware ones are not)."""
-    x = logits.detach().to(torch.float32).contiguous().numpy()
-    with np.errstate(invalid="ignore"):
-        return x, x.max(axis=1), x.min(axis=1)
+def _rows(logits: torch.Tensor) -> np.ndarray:
+    """The rows as float32 numpy (contiguous)."""
+    return logits.detach().to(torch.float32).contiguous().numpy()
 
 
 def _params(temperature, top_k, top_p, min_p) -> tuple[np.ndarray, ...]:
@@ -181,15 +179,36 @@ def _compile():
                 e[j] = np.float32(math.exp(np.float32(t - mx))) if t != -np.inf else np.float32(0.0)
 
     @njit
+    def extremes(bits):
+        """A row's (max, min, has NaN), from its float32 bits in one vectorised pass: an
+        int32 key (the bits, the magnitude's flipped where negative) orders like the
+        floats, and integer max/min vectorise where float ones (NaN rules) do not."""
+        hi, lo, nan = np.int32(-2147483648), np.int32(2147483647), np.int32(0)
+        for j in range(bits.shape[0]):
+            i = bits[j]
+            k = np.int32(i ^ np.int32(np.int32(i >> 31) & np.int32(0x7FFFFFFF)))
+            hi = np.int32(k if k > hi else hi)
+            lo = np.int32(k if k < lo else lo)
+            nan = np.int32(nan | np.int32(np.int32(i & 0x7FFFFFFF) > np.int32(0x7F800000)))
+        keys = np.empty(2, dtype=np.int32)
+        keys[0] = hi ^ ((hi >> 31) & 0x7FFFFFFF)
+        keys[1] = lo ^ ((lo >> 31) & 0x7FFFFFFF)
+        values = keys.view(np.float32)
+        return values[0], values[1], nan != 0
+
+    @njit
     def histogram(e, bins, hm, hc, counts):
-        """Each bin's mass (and count, with ``counts``)."""
+        """Each bin's mass (and count, with ``counts``, in the same pass)."""
         hm[:] = 0.0
-        for j in range(e.shape[0]):
-            hm[bins[j]] += e[j]
         if counts:
             hc[:] = 0
             for j in range(e.shape[0]):
-                hc[bins[j]] += 1
+                b = bins[j]
+                hm[b] += e[j]
+                hc[b] += 1
+        else:
+            for j in range(e.shape[0]):
+                hm[bins[j]] += e[j]
 
     @njit
     def block_hits(bins, lo_b, hi_b, hits):
@@ -239,8 +258,10 @@ def _compile():
     @njit
     def cut(x, temp, k, p, m, inv_w, e, bins, hm, hc, idx, hits):
         """The strictest filter's cut (bin, value, id): token j is kept iff
-        ``kept(bins[j], x[j] / temp, j, *cut)``."""
+        ``kept(bins[j], x[j] / temp, j, *cut)``; and the tokens (ids, values) of a
+        bin range that holds the cut's bin, if one was gathered (else empty)."""
         vocab = x.shape[0]
+        near_ids, near_vals, near_lo, near_hi = idx[:0], np.empty(0, dtype=np.float32), -1, -1
         z = 0.0
         for b in range(nbins):
             z += hm[b]
@@ -256,6 +277,7 @@ def _compile():
                 count += hc[bk]
                 bk += 1
             ids, vals = members(x, temp, bins, bk, bk, idx, hits)
+            near_ids, near_vals, near_lo, near_hi = ids, vals, bk, bk
             kth = vals[k - count - 1]
             cut_b, cut_t, cut_id = bk, kth, 0
             zk = 0.0
@@ -287,6 +309,7 @@ def _compile():
                     before += e[ids[i]]
                 if bp < cut_b or (bp == cut_b and (last_t > cut_t or (last_t == cut_t and last_id > cut_id))):
                     cut_b, cut_t, cut_id = bp, last_t, last_id
+                    near_ids, near_vals, near_lo, near_hi = ids, vals, bp, bp
         # min-p: keep e >= min_p (the top token's e is 1). Bins before the band around
         # -log(min_p) are all kept, bins after it all dropped; the band's tokens are
         # checked one by one.
@@ -301,17 +324,22 @@ def _compile():
                     mb, mt = bins[ids[i]], vals[i]
             if mb < cut_b or (mb == cut_b and mt > cut_t):
                 cut_b, cut_t, cut_id = mb, mt, 0
-        return cut_b, cut_t, cut_id
+                near_ids, near_vals, near_lo, near_hi = ids, vals, lo_b, hi_b
+        if not near_lo <= cut_b <= near_hi:
+            near_ids, near_vals = idx[:0], np.empty(0, dtype=np.float32)
+        return cut_b, cut_t, cut_id, near_ids, near_vals
 
     @njit
-    def mark(x, temp, bins, cut_b, cut_t, cut_id, idx, hits):
+    def mark(x, temp, bins, cut_b, cut_t, cut_id, ids, vals, idx, hits):
         """Moves the cut bin's dropped tokens one bin on (to ``cut_b + 1``, a bin nothing
-        reads after this), so that token j is kept iff ``bins[j] <= cut_b``."""
+        reads after this), so that token j is kept iff ``bins[j] <= cut_b``. ``ids``,
+        ``vals``: tokens of bins around the cut's that ``cut`` gathered (else empty)."""
         if cut_b >= nbins:
             return
-        ids, vals = members(x, temp, bins, cut_b, cut_b, idx, hits)
+        if ids.shape[0] == 0:
+            ids, vals = members(x, temp, bins, cut_b, cut_b, idx, hits)
         for i in range(ids.shape[0]):
-            if not kept(cut_b, vals[i], ids[i], cut_b, cut_t, cut_id):
+            if bins[ids[i]] == cut_b and not kept(cut_b, vals[i], ids[i], cut_b, cut_t, cut_id):
                 bins[ids[i]] = cut_b + 1
 
     @njit
@@ -328,12 +356,12 @@ def _compile():
         v = np.empty(8, dtype=np.float32)
         for i in range(full):
             base = i * 256
-            for lane in range(32):
-                acc[lane] = e[base + lane] * np.float32(np.int32(bins[base + lane]) <= cut_b)
-            for step in range(1, 8):
-                o = base + step * 32
-                for lane in range(32):
-                    acc[lane] += e[o + lane] * np.float32(np.int32(bins[o + lane]) <= cut_b)
+            for lane in range(32):  # the step loop unrolls, the lane loop vectorises
+                a = e[base + lane] * np.float32(np.int32(bins[base + lane]) <= cut_b)
+                for step in range(1, 8):
+                    j = base + step * 32 + lane
+                    a += e[j] * np.float32(np.int32(bins[j]) <= cut_b)
+                acc[lane] = a
             for lane in range(8):
                 v[lane] = (acc[lane] + acc[lane + 8]) + (acc[lane + 16] + acc[lane + 24])
             w0, w1, w2, w3 = v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]
@@ -428,7 +456,7 @@ def _compile():
         return np.float64(inv_w)
 
     @njit
-    def batch(x, his, los, temps, ks, ps, ms, us, out):
+    def batch(x, bits, temps, ks, ps, ms, us, out):
         vocab = x.shape[1]
         e = np.empty(vocab, dtype=np.float32)
         bins = np.empty(vocab, dtype=np.uint16)
@@ -438,21 +466,21 @@ def _compile():
         hc = np.empty(nbins, dtype=np.int64)
         mass = np.empty((vocab + 255) // 256)
         for r in range(x.shape[0]):
-            mx_raw = his[r]
-            if not (mx_raw == mx_raw) or mx_raw == np.inf or mx_raw == -np.inf:  # NaN, +inf, none finite
+            mx_raw, mn_raw, nan = extremes(bits[r])
+            if nan or mx_raw == np.inf or mx_raw == -np.inf:  # NaN, +inf, none finite
                 out[r] = -1
                 continue
             row, temp, k, p, m = x[r], temps[r], ks[r], ps[r], ms[r]
             filtered = (0 < k < vocab) or p < 1.0 or m > 0.0
-            inv_w = prepare(row, mx_raw, los[r], temp, e, bins, hm, hc, filtered, 0 < k < vocab)
+            inv_w = prepare(row, mx_raw, mn_raw, temp, e, bins, hm, hc, filtered, 0 < k < vocab)
             cut_b, cut_t, cut_id = nbins, -np.inf, 0
             if filtered:
-                cut_b, cut_t, cut_id = cut(row, temp, k, p, m, inv_w, e, bins, hm, hc, idx, hits)
-                mark(row, temp, bins, cut_b, cut_t, cut_id, idx, hits)
+                cut_b, cut_t, cut_id, ids, vals = cut(row, temp, k, p, m, inv_w, e, bins, hm, hc, idx, hits)
+                mark(row, temp, bins, cut_b, cut_t, cut_id, ids, vals, idx, hits)
             out[r] = draw(row, temp, e, bins, cut_b, cut_t, cut_id, us[r], mass)
 
     @njit
-    def masks(x, his, los, temps, ks, ps, ms, out):
+    def masks(x, bits, temps, ks, ps, ms, out):
         vocab = x.shape[1]
         e = np.empty(vocab, dtype=np.float32)
         bins = np.empty(vocab, dtype=np.uint16)
@@ -462,9 +490,10 @@ def _compile():
         hc = np.empty(nbins, dtype=np.int64)
         for r in range(x.shape[0]):
             row, temp = x[r], temps[r]
-            inv_w = prepare(row, his[r], los[r], temp, e, bins, hm, hc, True, 0 < ks[r] < vocab)
-            cb, ct, ci = cut(row, temp, ks[r], ps[r], ms[r], inv_w, e, bins, hm, hc, idx, hits)
-            mark(row, temp, bins, cb, ct, ci, idx, hits)
+            mx_raw, mn_raw, _ = extremes(bits[r])
+            inv_w = prepare(row, mx_raw, mn_raw, temp, e, bins, hm, hc, True, 0 < ks[r] < vocab)
+            cb, ct, ci, ids, vals = cut(row, temp, ks[r], ps[r], ms[r], inv_w, e, bins, hm, hc, idx, hits)
+            mark(row, temp, bins, cb, ct, ci, ids, vals, idx, hits)
             for j in range(vocab):
                 out[r, j] = e[j] > 0 and bins[j] <= cb
 
