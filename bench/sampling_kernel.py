@@ -8,7 +8,9 @@ for the kernel) and "peaked" ones (N(0, 3) with a few tokens 12 above, as a trai
 Per sampler kind (temperature only, top-k, top-p, min-p, top-k with top-p) and batch (1 and
 32 rows in one call), the best of ``--rounds`` calls of ``sample_rows`` (the whole call: the
 float32 view, the extremes, the kernel), this tree's and the baseline's alternated in the
-same process, so both see the same load on a shared machine. The baseline is the kernel
+same process, so both see the same load on a shared machine (and, for a batch this tree
+splits over two threads, also this tree's on one thread: ``one_thread_*``, its CPU cost).
+The baseline is the kernel
 file as of a git commit (``git show``), compiled here without numba's cache. Also: numpy's
 argmax of the same rows (what a greedy row costs), and whether both kernels drew the same
 tokens for the same uniforms (they must).
@@ -101,16 +103,24 @@ def compare(new: ModuleType, old: ModuleType, rounds: int) -> dict:
             out[f"{kind}@{batch}:numpy_argmax_ms_per_row"] = round(argmax / batch * 1e3, 4)
             for name, sampler in SAMPLERS.items():
                 same &= bool(np.array_equal(call(new, x, sampler, u), call(old, x, sampler, u)))
-                best_new = best_old = float("inf")
+                best_new = best_old = best_one = float("inf")
+                split = new.SPLIT_ROWS
                 for _ in range(rounds):
                     best_old = min(best_old, timed(call, old, x, sampler, u))
                     best_new = min(best_new, timed(call, new, x, sampler, u))
+                    if batch >= split:
+                        new.SPLIT_ROWS = batch + 1
+                        best_one = min(best_one, timed(call, new, x, sampler, u))
+                        new.SPLIT_ROWS = split
                 key = f"{kind}@{batch}:{name}"
                 out[key] = {
                     "baseline_ms_per_row": round(best_old / batch * 1e3, 4),
                     "ms_per_row": round(best_new / batch * 1e3, 4),
                     "speedup": round(best_old / best_new, 2),
                 }
+                if batch >= split:
+                    out[key]["one_thread_ms_per_row"] = round(best_one / batch * 1e3, 4)
+                    out[key]["one_thread_speedup"] = round(best_old / best_one, 2)
                 print(f"{key:40} {out[key]}", flush=True)
     out["same_tokens_as_baseline"] = same
     return out

@@ -40,7 +40,9 @@ is False and ``engine.sampling`` uses its torch code.
 from __future__ import annotations
 
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -49,10 +51,16 @@ BINS = 4096
 WIDEST = 1 / 64
 """The widest bin, in units of logit / T: rows spanning more than 64 units put what lies
 past 64 (probabilities under e^-64 of the top one's) into the last bin."""
+SPLIT_ROWS = 2
+"""From this many rows a call samples half of them on a second thread (the kernel holds no
+GIL), where the process may use two or more cores: the calls come after a pass's forward,
+when its cores are free (here, 2 shared cores: 32 flat top-p rows ~0.22 -> ~0.11 ms a row
+of wall time; a handoff costs ~0.03 ms, so 2 rows gain already)."""
 _lock = threading.Lock()
 _kernels = None
 _failed = False
 _warming = False
+_helper: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): not a forked parent's
 
 
 def available() -> bool:
@@ -94,11 +102,18 @@ def sample_rows(
     kernels = _get()
     assert kernels is not None, "sample_rows needs numba (check available())"
     x = _rows(logits)
-    out = np.empty(x.shape[0], dtype=np.int64)
-    if x.shape[0]:
-        kernels["batch"](
-            x, x.view(np.int32), *_params(temperature, top_k, top_p, min_p), np.asarray(u, np.float64), out
-        )
+    n = x.shape[0]
+    out = np.empty(n, dtype=np.int64)
+    args = (x, x.view(np.int32), *_params(temperature, top_k, top_p, min_p), np.asarray(u, np.float64), out)
+    helper = _second_thread() if n >= SPLIT_ROWS else None
+    if helper is None:
+        if n:
+            kernels["batch"](*args)
+        return out
+    half = n // 2
+    first = helper.submit(kernels["batch"], *(a[:half] for a in args))
+    kernels["batch"](*(a[half:] for a in args))
+    first.result()
     return out
 
 
@@ -113,6 +128,18 @@ def kept_masks(
     out = np.zeros(x.shape, dtype=np.bool_)
     kernels["masks"](x, x.view(np.int32), *_params(temperature, top_k, top_p, min_p), out)
     return out
+
+
+def _second_thread() -> ThreadPoolExecutor | None:
+    """The thread that samples half of a large call's rows (made once), or None where this
+    process may run on one core only."""
+    global _helper
+    pid = os.getpid()
+    if (_helper is None or _helper[0] != pid) and len(os.sched_getaffinity(0)) > 1:
+        with _lock:
+            if _helper is None or _helper[0] != pid:
+                _helper = (pid, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-sampling-kernel"))
+    return _helper[1] if _helper is not None and _helper[0] == pid else None
 
 
 def _rows(logits: torch.Tensor) -> np.ndarray:
