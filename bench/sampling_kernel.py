@@ -4,7 +4,9 @@
 
 Rows of 151,936 float32 logits (the tiny Qwen3-VL vocabulary): "flat" ones shaped like the
 tiny model's (random weights: N(0, 0.16), so top-p 0.9 keeps ~130k tokens, the worst case
-for the kernel) and "peaked" ones (N(0, 3) with a few tokens 12 above, as a trained model's).
+for the kernel), "peaked" ones (N(0, 3) with a few tokens 12 above, as a trained model's)
+and "masked" ones (peaked, with 1% of the tokens at -100 as a logit bias bans them and 1%
+at -inf).
 Per sampler kind (temperature only, top-k, top-p, min-p, top-k with top-p) and batch (1 and
 32 rows in one call), the best of ``--rounds`` calls of ``sample_rows`` (the whole call: the
 float32 view, the extremes, the kernel), this tree's and the baseline's alternated in the
@@ -74,7 +76,11 @@ def rows(kind: str, n: int, seed: int) -> torch.Tensor:
         return torch.randn(n, VOCAB, generator=g) * 0.16
     x = torch.randn(n, VOCAB, generator=g) * 3.0
     top = torch.randint(0, VOCAB, (n, 8), generator=g)
-    return x.scatter_add(1, top, torch.full((n, 8), 12.0))
+    x = x.scatter_add(1, top, torch.full((n, 8), 12.0))
+    if kind == "masked":  # 1% banned by a logit bias of -100, 1% masked to -inf
+        pick = torch.rand(n, VOCAB, generator=g)
+        x = torch.where(pick < 0.01, x - 100.0, torch.where(pick > 0.99, float("-inf"), x))
+    return x
 
 
 def call(module: ModuleType, x: torch.Tensor, sampler: tuple, u: np.ndarray) -> np.ndarray:
@@ -94,7 +100,7 @@ def timed(fn, *args) -> float:
 def compare(new: ModuleType, old: ModuleType, rounds: int) -> dict:
     out: dict = {}
     same = True
-    for kind in ("flat", "peaked"):
+    for kind in ("flat", "peaked", "masked"):
         for batch in (1, 32):
             x = rows(kind, batch, seed=batch)
             xn = x.numpy()

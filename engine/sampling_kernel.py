@@ -197,13 +197,38 @@ def _compile():
             bins[j] = np.int32((d if d < cap_b else cap_b) * inv_w)
 
     @njit
-    def far_exps(x, temp, mx, e):
-        """The true exp of the tokens past the table (0 for -inf)."""
+    def far_exps(x, temp, mx, e, bins, hits):
+        """The true exp of the tokens past the table (0 for -inf): all in the last bin, so
+        only the blocks of 64 that hold one are read."""
         cap_e = np.float32(63.99)
-        for j in range(x.shape[0]):
-            t = x[j] / temp
-            if mx - t > cap_e:
-                e[j] = np.float32(math.exp(np.float32(t - mx))) if t != -np.inf else np.float32(0.0)
+        vocab = x.shape[0]
+        block_hits(bins, nbins - 1, nbins - 1, hits)
+        for c in range((vocab + 63) // 64):
+            if c < vocab // 64 and hits[c] == 0:
+                continue
+            for j in range(c * 64, min(vocab, c * 64 + 64)):
+                if bins[j] != nbins - 1:
+                    continue
+                t = x[j] / temp
+                if mx - t > cap_e:
+                    e[j] = np.float32(math.exp(np.float32(t - mx))) if t != -np.inf else np.float32(0.0)
+
+    @njit
+    def finite_min(bits):
+        """The smallest value of a row other than -inf (its bits as in ``extremes``; -inf
+        if there is none): the keys shifted so that -inf's, the least, wraps to the top
+        of the unsigned order."""
+        shift = np.uint32(2139095040)  # -(key(-inf) + 1)
+        lo = np.uint32(0xFFFFFFFF)
+        for j in range(bits.shape[0]):
+            i = bits[j]
+            k = np.int32(i ^ np.int32(np.int32(i >> 31) & np.int32(0x7FFFFFFF)))
+            u = np.uint32(np.uint32(k) + shift)
+            lo = np.uint32(u if u < lo else lo)
+        keys = np.empty(1, dtype=np.int32)
+        key = np.int32(np.uint32(lo - shift))
+        keys[0] = key ^ ((key >> 31) & 0x7FFFFFFF)
+        return keys.view(np.float32)[0]
 
     @njit
     def extremes(bits):
@@ -457,17 +482,19 @@ def _compile():
         return -1
 
     @njit
-    def prepare(x, mx_raw, mn_raw, temp, e, bins, hm, hc, filtered, counts):
+    def prepare(x, bits, mx_raw, mn_raw, temp, e, bins, hm, hc, hits, filtered, counts):
         """Steps 2 and 3 for one row with a finite max; returns 1 / w."""
         mx = mx_raw / temp
         mn = mn_raw / temp
         masked = mn == -np.inf
         if masked:  # -inf (masked) tokens: the bins span the finite ones, their e is 0
-            mn = mx
-            for j in range(x.shape[0]):
-                t = x[j] / temp
-                if t < mn and t != -np.inf:
-                    mn = t
+            mn = finite_min(bits) / temp  # the same as the smallest finite t (monotone)
+            if mn == -np.inf:  # ... unless it overflows: then t by t
+                mn = mx
+                for j in range(x.shape[0]):
+                    t = x[j] / temp
+                    if t < mn and t != -np.inf:
+                        mn = t
         far = masked or mx - mn > np.float32(63.99)
         if mx - mn > np.float32(63.99):
             mn = mx - 64  # the bins span what the table covers; the rest share the last
@@ -477,7 +504,7 @@ def _compile():
         inv_w = np.float32(1.0 / w)
         exps(x, temp, mx, inv_w, e, bins)
         if far:
-            far_exps(x, temp, mx, e)
+            far_exps(x, temp, mx, e, bins, hits)
         if filtered:
             histogram(e, bins, hm, hc, counts)
         return np.float64(inv_w)
@@ -499,7 +526,9 @@ def _compile():
                 continue
             row, temp, k, p, m = x[r], temps[r], ks[r], ps[r], ms[r]
             filtered = (0 < k < vocab) or p < 1.0 or m > 0.0
-            inv_w = prepare(row, mx_raw, mn_raw, temp, e, bins, hm, hc, filtered, 0 < k < vocab)
+            inv_w = prepare(
+                row, bits[r], mx_raw, mn_raw, temp, e, bins, hm, hc, hits, filtered, 0 < k < vocab
+            )
             cut_b, cut_t, cut_id = nbins, -np.inf, 0
             if filtered:
                 cut_b, cut_t, cut_id, ids, vals = cut(row, temp, k, p, m, inv_w, e, bins, hm, hc, idx, hits)
@@ -518,7 +547,9 @@ def _compile():
         for r in range(x.shape[0]):
             row, temp = x[r], temps[r]
             mx_raw, mn_raw, _ = extremes(bits[r])
-            inv_w = prepare(row, mx_raw, mn_raw, temp, e, bins, hm, hc, True, 0 < ks[r] < vocab)
+            inv_w = prepare(
+                row, bits[r], mx_raw, mn_raw, temp, e, bins, hm, hc, hits, True, 0 < ks[r] < vocab
+            )
             cb, ct, ci, ids, vals = cut(row, temp, ks[r], ps[r], ms[r], inv_w, e, bins, hm, hc, idx, hits)
             mark(row, temp, bins, cb, ct, ci, ids, vals, idx, hits)
             for j in range(vocab):
