@@ -231,3 +231,33 @@ def test_a_top_p_row_costs_little_more_than_plain_temperature() -> None:
     per_bin = torch.bincount(((t.max() - t) / width).long().clamp(max=sampling_kernel.BINS - 1))
     assert int(per_bin.max()) < 200
     assert math.isfinite(width)
+
+
+def test_a_batch_equals_its_rows_sampled_alone() -> None:
+    """A call of many rows (split over two threads where there are two cores) draws what
+    each row draws alone, with its own sampler and uniform; one NaN or +inf anywhere in a
+    row (here past the last whole block of 64) marks that row, and only it."""
+    g = torch.Generator().manual_seed(18)
+    n, v = 13, 1000
+    rows = torch.randn(n, v, generator=g) * torch.linspace(0.1, 6.0, n)[:, None]
+    rows[3, 990] = float("nan")
+    rows[8, 997] = float("inf")
+    rows[5, ::9] = float("-inf")
+    rows[5, ::13] -= 100.0
+    temperature = np.linspace(0.1, 2.0, n).astype(np.float32)
+    top_k = np.where(np.arange(n) % 3 == 0, 40, 0).astype(np.int64)
+    top_p = np.where(np.arange(n) % 2 == 0, 0.8, 1.0)
+    min_p = np.where(np.arange(n) % 4 == 1, 0.05, 0.0)
+    u = torch.rand(n, generator=g, dtype=torch.float64).numpy()
+    together = sampling_kernel.sample_rows(rows, temperature, top_k, top_p, min_p, u)
+    alone = [
+        int(
+            sampling_kernel.sample_rows(
+                rows[i : i + 1], *(a[i : i + 1] for a in (temperature, top_k, top_p, min_p, u))
+            )[0]
+        )
+        for i in range(n)
+    ]
+    assert together.tolist() == alone
+    assert [i for i in range(n) if together[i] < 0] == [3, 8]
+    assert all(torch.isfinite(rows[i, together[i]]) for i in range(n) if i not in (3, 8))
