@@ -132,10 +132,9 @@ def compare(new: ModuleType, old: ModuleType, rounds: int) -> dict:
     return out
 
 
-def stages(new: ModuleType, rounds: int) -> dict:
+def stages(new: ModuleType, old: ModuleType, rounds: int) -> dict:
     """Each stage of one flat 151,936-token top-p row (temperature 0.8, top-p 0.9), hot in
-    cache, best of ``rounds`` (ms)."""
-    k = new._get()
+    cache, best of ``rounds`` (ms): this tree's, and f310bd1's (its stages' signatures)."""
     x = rows("flat", 1, seed=1)[0].numpy()
     temp = np.float32(0.8)
     v = x.shape[0]
@@ -146,19 +145,37 @@ def stages(new: ModuleType, rounds: int) -> dict:
     def best(fn) -> float:
         return round(min(timed(fn) for _ in range(rounds)) * 1e3, 4)
 
+    k = new._get()
     bits = x.view(np.int32)
-    out = {"extremes (max, min, NaN)": best(lambda: k["extremes"](bits))}
-    mx, mn, _ = k["extremes"](bits)
-    out["prepare (exps, histogram)"] = best(
-        lambda: k["prepare"](x, mx, mn, temp, e, bins, hm, hc, True, False)
+    ours = {"extremes (max, min, NaN)": best(lambda: k["extremes"](bits))}
+    mx, mn = (np.float32(v) for v in k["extremes"](bits)[:2])
+    ours["prepare (exps, histogram)"] = best(
+        lambda: k["prepare"](x, bits, mx, mn, temp, e, bins, hm, hc, hits, True, False)
     )
-    inv_w = k["prepare"](x, mx, mn, temp, e, bins, hm, hc, True, False)
-    out["cut (top-p)"] = best(lambda: k["cut"](x, temp, 0, 0.9, 0.0, inv_w, e, bins, hm, hc, idx, hits))
+    inv_w = k["prepare"](x, bits, mx, mn, temp, e, bins, hm, hc, hits, True, False)
+    ours["cut (top-p)"] = best(lambda: k["cut"](x, temp, 0, 0.9, 0.0, inv_w, e, bins, hm, hc, idx, hits))
     cb, ct, ci, ids, vals = k["cut"](x, temp, 0, 0.9, 0.0, inv_w, e, bins, hm, hc, idx, hits)
-    out["mark"] = best(lambda: k["mark"](x, temp, bins, cb, ct, ci, ids, vals, idx, hits))
-    out["draw (block sums, walk)"] = best(lambda: k["draw"](x, temp, e, bins, cb, ct, ci, 0.5, mass))
-    for name, ms in out.items():
-        print(f"    {name:32} {ms} ms", flush=True)
+    ours["mark (the cut bin's dropped tokens)"] = best(
+        lambda: k["mark"](x, temp, bins, cb, ct, ci, ids, vals, idx, hits)
+    )
+    ours["draw (block sums, walk)"] = best(lambda: k["draw"](x, temp, e, bins, cb, ct, ci, 0.5, mass))
+    out = {"this tree": ours}
+    try:  # the baseline's stages, where they have f310bd1's signatures
+        k = old._get()
+        theirs = {"numpy max + min": best(lambda: (x.max(), x.min()))}
+        mx, mn = x.max(), x.min()
+        theirs["prepare (exps, histogram)"] = best(
+            lambda: k["prepare"](x, mx, mn, temp, e, bins, hm, hc, True, False)
+        )
+        inv_w = k["prepare"](x, mx, mn, temp, e, bins, hm, hc, True, False)
+        theirs["cut (top-p)"] = best(lambda: k["cut"](x, temp, 0, 0.9, 0.0, inv_w, e, bins, hm, hc, idx))
+        cb, ct, ci = k["cut"](x, temp, 0, 0.9, 0.0, inv_w, e, bins, hm, hc, idx)
+        theirs["draw (block sums, walk)"] = best(lambda: k["draw"](x, temp, e, bins, cb, ct, ci, 0.5, mass))
+        out["baseline"] = theirs
+    except Exception as error:  # another baseline: its stages differ
+        out["baseline"] = f"not timed ({type(error).__name__})"
+    for who, figures in out.items():
+        print(f"  {who}: {figures}", flush=True)
     return out
 
 
@@ -179,7 +196,7 @@ def main() -> None:
     result: dict = {"machine": args.machine, "label": args.label, "baseline": args.baseline, "vocab": VOCAB}
     result["ms_per_row"] = compare(sampling_kernel, old, args.rounds)
     if args.stages:
-        result["stages_ms"] = stages(sampling_kernel, args.rounds)
+        result["stages_ms"] = stages(sampling_kernel, old, args.rounds)
     print(json.dumps(result, indent=2))
     if args.out:
         path = Path(args.out)

@@ -193,8 +193,11 @@ def _compile():
             de = d if d < cap_e else cap_e  # a select, not min(): min's NaN rule stops vectorising
             b = np.int32(de * np.float32(64.0))
             r = de - np.float32(b) * np.float32(1.0 / 64.0)
-            e[j] = table[b] * (one - r * (one - r * (half - r * (sixth - r * twentyfourth))))
-            bins[j] = np.int32((d if d < cap_b else cap_b) * inv_w)
+            # b is in 0..4095 (0 <= de < 64): the unsigned, masked index tells LLVM so (no
+            # negative-index fix-up in the gather), as the uint16 store does for the bin
+            poly = one - r * (one - r * (half - r * (sixth - r * twentyfourth)))
+            e[j] = table[np.uint32(b) & np.uint32(4095)] * poly
+            bins[j] = np.uint16(np.int32((d if d < cap_b else cap_b) * inv_w))
 
     @njit
     def far_exps(x, temp, mx, e, bins, hits):
