@@ -139,7 +139,7 @@ def stages(new: ModuleType, old: ModuleType, rounds: int) -> dict:
     temp = np.float32(0.8)
     v = x.shape[0]
     e, bins, idx = np.empty(v, np.float32), np.empty(v, np.uint16), np.empty(v, np.int64)
-    hits, hm, hc = np.empty(v // 64 + 1, np.int64), np.empty(4096), np.empty(4096, np.int64)
+    hits, hm, hc = np.empty(v // 64 + 1, np.uint16), np.empty(4096), np.empty(4096, np.int64)
     mass = np.empty((v + 255) // 256)
 
     def best(fn) -> float:

@@ -267,15 +267,15 @@ def _compile():
 
     @njit
     def block_hits(bins, lo_b, hi_b, hits):
-        """Per block of 64 tokens, how many have a bin in lo_b..hi_b (vectorised: a fixed
-        trip count from a provably non-negative index, so no gather)."""
+        """Per block of 64 tokens, whether one has a bin in lo_b..hi_b (vectorised in 16-bit
+        lanes: a fixed trip count from a provably non-negative index, so no gather)."""
         span = np.uint16(hi_b - lo_b)
         lo16 = np.uint16(lo_b)
         for c in range(bins.shape[0] // 64):
             base = c * 64
-            h = 0
+            h = np.uint16(0)
             for k in range(64):
-                h += np.uint16(bins[base + k] - lo16) <= span
+                h = np.uint16(h | np.uint16(np.uint16(bins[base + k] - lo16) <= span))
             hits[c] = h
 
     @njit
@@ -409,13 +409,15 @@ def _compile():
         full = vocab // 256
         acc = np.empty(32, dtype=np.float32)
         v = np.empty(8, dtype=np.float32)
+        cb = np.int32(cut_b)  # 32-bit lanes
+        zero = np.float32(0.0)
         for i in range(full):
             base = i * 256
             for lane in range(32):  # the step loop unrolls, the lane loop vectorises
-                a = e[base + lane] * np.float32(np.int32(bins[base + lane]) <= cut_b)
+                a = e[base + lane] if np.int32(bins[base + lane]) <= cb else zero
                 for step in range(1, 8):
                     j = base + step * 32 + lane
-                    a += e[j] * np.float32(np.int32(bins[j]) <= cut_b)
+                    a += e[j] if np.int32(bins[j]) <= cb else zero
                 acc[lane] = a
             for lane in range(8):
                 v[lane] = (acc[lane] + acc[lane + 8]) + (acc[lane + 16] + acc[lane + 24])
@@ -518,7 +520,7 @@ def _compile():
         e = np.empty(vocab, dtype=np.float32)
         bins = np.empty(vocab, dtype=np.uint16)
         idx = np.empty(vocab, dtype=np.int64)
-        hits = np.empty(vocab // 64 + 1, dtype=np.int64)
+        hits = np.empty(vocab // 64 + 1, dtype=np.uint16)
         hm = np.empty(nbins)
         hc = np.empty(nbins, dtype=np.int64)
         mass = np.empty((vocab + 255) // 256)
@@ -544,7 +546,7 @@ def _compile():
         e = np.empty(vocab, dtype=np.float32)
         bins = np.empty(vocab, dtype=np.uint16)
         idx = np.empty(vocab, dtype=np.int64)
-        hits = np.empty(vocab // 64 + 1, dtype=np.int64)
+        hits = np.empty(vocab // 64 + 1, dtype=np.uint16)
         hm = np.empty(nbins)
         hc = np.empty(nbins, dtype=np.int64)
         for r in range(x.shape[0]):
