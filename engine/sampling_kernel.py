@@ -18,7 +18,7 @@ This kernel reads each row a few times, in order, and sorts only a few dozen tok
 4. each filter is a cut in the tokens' order (value descending, then id descending):
    top-k walks the bins' counts, top-p their masses (over what top-k keeps), min-p the
    bins around ``-log(min_p)``; only the tokens of the bin where a cut falls are
-   gathered (a vectorised count per block of 64 bin indices, then the blocks that hold
+   gathered (a vectorised test per block of 64 bin indices, then the blocks that hold
    one token by token) and sorted,
    and the strictest cut wins (every filter keeps an upper set of that order); the cut
    bin's dropped tokens are then moved one bin on, so that "kept" is ``bin <= cut bin``;
@@ -35,6 +35,12 @@ float rounding at a top-p or min-p boundary, and one rule where transformers has
 tokens with equal logits that straddle a top-p boundary are kept highest id first
 (transformers' unstable sort keeps whichever it meets). Without numba, ``available()``
 is False and ``engine.sampling`` uses its torch code.
+
+Speed (``bench/sampling_kernel.py``, results in ``bench/results/sampling_kernel_cpu.json``):
+a flat 151,936-token top-p row costs ~0.17-0.2 ms of one core here (was ~0.3); a call of
+two or more rows samples half of them on a second thread (``SPLIT_ROWS``), ~0.1 ms a row
+of wall time at 32 rows. What is left is mostly step 2 (a table gather) and step 3 (a
+scatter-add per token, ~1 cycle each): every pass is exact, so neither can be skipped.
 """
 
 from __future__ import annotations
