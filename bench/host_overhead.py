@@ -123,8 +123,9 @@ async def generate(model, n: int, tokens: int, sampled: bool) -> int:
 
 
 SAMPLING = [0.0]
-"""CPU seconds the forward worker spent sampling in passes (``engine.pass_sampling``): on a
-GPU that work is the device's, so the host's own share is the rest."""
+"""CPU seconds spent sampling in passes (``engine.pass_sampling``, the forward worker's and
+the sampling kernel's second thread's): on a GPU that work is the device's, so the host's
+own share is the rest."""
 
 
 def count_sampling() -> None:
@@ -133,13 +134,23 @@ def count_sampling() -> None:
     real = engine.forward.sample_pass
 
     def timed(steps, out) -> None:
-        t0 = time.thread_time()
+        t0 = time.thread_time() + _kernel_threads_cpu()
         try:
             real(steps, out)
         finally:
-            SAMPLING[0] += time.thread_time() - t0
+            SAMPLING[0] += time.thread_time() + _kernel_threads_cpu() - t0
 
     engine.forward.sample_pass = timed
+
+
+def _kernel_threads_cpu() -> float:
+    """CPU seconds of the sampling kernel's own threads (it samples half of a batch's rows
+    on a second thread): sampling too, though not on the thread that called it."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("pie-sampling-kernel_") and thread.ident is not None:
+            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
 
 
 def wall(model, n: int, tokens: int, sampled: bool) -> tuple[float, float, float, int]:
