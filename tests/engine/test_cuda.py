@@ -93,32 +93,17 @@ def test_device_fed_graph_passes_equal_the_plain_loop(qwen_head64):
     the host, their ids taken from its argmax on the device. The same tokens as the same
     graphs without the feed, and passes were really fed."""
     pytest.importorskip("flashinfer")
-    import asyncio
-
-    from engine import Context
-    from tests.engine.test_decode_graphs import PROMPTS
+    from tests.engine.test_decode_graphs import greedy_texts
 
     kw = {"device": "cuda", "dtype": torch.bfloat16, "attention": "flashinfer", "kv_pages": 256}
     model = Model.load(qwen_head64, cuda_graphs=8, **kw)
     lengths = [9, 3, 7, 5, 24]
-
-    async def greedy() -> list[list[int]]:
-        contexts = [Context(model).user(p).cue() for p in PROMPTS]
-        try:
-            gens = await asyncio.gather(
-                *(c.generate(Sampler.greedy(), max_tokens(n)) for c, n in zip(contexts, lengths, strict=True))
-            )
-            return [g.tokens for g in gens]
-        finally:
-            for c in contexts:
-                c.close()
-
     sched = model.scheduler
     assert sched.overlap and sched.device_feed  # the CUDA defaults
     sched.device_feed = False
-    unfed = asyncio.run(greedy())
+    unfed = greedy_texts(model, lengths)
     sched.device_feed = True
     before = sched.stats.fed_passes
-    fed = asyncio.run(greedy())
+    fed = greedy_texts(model, lengths)
     assert fed == unfed
     assert sched.stats.fed_passes > before, sched.stats

@@ -187,6 +187,23 @@ def test_refusals(fake_flashinfer, tiny_dir):
     g.close()
 
 
+def greedy_texts(model: Model, lengths: list[int]) -> list[list[int]]:
+    """The text-only PROMPTS generated together, greedy, each to its length; their tokens."""
+
+    async def go() -> list[list[int]]:
+        contexts = [Context(model).user(p).cue() for p in PROMPTS]
+        try:
+            gens = await asyncio.gather(
+                *(c.generate(Sampler.greedy(), max_tokens(n)) for c, n in zip(contexts, lengths, strict=True))
+            )
+            return [g.tokens for g in gens]
+        finally:
+            for c in contexts:
+                c.close()
+
+    return asyncio.run(go())
+
+
 @pytest.mark.parametrize("name", [TINY_QWEN, TINY_GEMMA])
 def test_passes_fed_on_the_device_equal_the_plain_loop(pairs, name):
     """The device feed (engine.scheduler): with the overlap, a greedy graph pass whose
@@ -199,25 +216,13 @@ def test_passes_fed_on_the_device_equal_the_plain_loop(pairs, name):
     saved = (sched.overlap, sched.device_feed, sched.feed_wait_s)
     sched.overlap, sched.device_feed, sched.feed_wait_s = True, True, 0.2
     lengths = [9, 3, 7, 5, 12]
-
-    async def greedy(model: Model) -> list[list[int]]:
-        contexts = [Context(model).user(p).cue() for p in PROMPTS]
-        try:
-            gens = await asyncio.gather(
-                *(c.generate(Sampler.greedy(), max_tokens(n)) for c, n in zip(contexts, lengths, strict=True))
-            )
-            return [g.tokens for g in gens]
-        finally:
-            for c in contexts:
-                c.close()
-
     try:
         fed = sched.stats.fed_passes
-        ours = asyncio.run(greedy(graphs))
+        ours = greedy_texts(graphs, lengths)
         assert sched.stats.fed_passes - fed >= max(lengths) // 2  # most passes fed ahead
     finally:
         sched.overlap, sched.device_feed, sched.feed_wait_s = saved
-    assert ours == asyncio.run(greedy(plain))
+    assert ours == greedy_texts(plain, lengths)
     assert [len(t) for t in ours] == lengths
     assert not sched._prelaunched and not sched._queued  # nothing left behind
 
