@@ -56,8 +56,11 @@ def fuzzed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def known(fuzzed_server: Server, samples: Path) -> dict[str, list[str]]:
     """Real values by parameter name: served models and one resource of each kind."""
     v1 = fuzzed_server.v1
+    # A generous timeout: on 2 shared cores beside another test worker the first upload
+    # (the server's first image preparation) once took longer than httpx's 5 s default.
+    client = httpx.Client(timeout=60)
     png = (samples / "images" / "rgba.png").read_bytes()
-    media = httpx.post(f"{v1}/media", files=[("file", ("a.png", png, "image/png"))]).json()
+    media = client.post(f"{v1}/media", files=[("file", ("a.png", png, "image/png"))]).json()
     media_id = media["data"][0]["media"]["id"]
     line = {
         "custom_id": "a",
@@ -65,24 +68,25 @@ def known(fuzzed_server: Server, samples: Path) -> dict[str, list[str]]:
         "url": "/v1/chat/completions",
         "body": {"model": "tiny-qwen3-vl", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
     }
-    file = httpx.post(
+    file = client.post(
         f"{v1}/files",
         files=[("file", ("in.jsonl", json.dumps(line).encode() + b"\n", "application/jsonl"))],
         data={"purpose": "batch"},
     ).json()
-    batch = httpx.post(
+    batch = client.post(
         f"{v1}/batches",
         json={"input_file_id": file["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
     ).json()
-    job = httpx.post(f"{v1}/jobs/captions", json={"media_ids": [media_id], "max_tokens": 2}).json()
+    job = client.post(f"{v1}/jobs/captions", json={"media_ids": [media_id], "max_tokens": 2}).json()
     from fixtures.paths import cache_root
     from inferlets import build_component
 
     wasm = build_component(INFERLETS, cache_root() / "inferlets-build").read_bytes()
-    inferlet = httpx.post(
+    inferlet = client.post(
         f"{v1}/inferlets", content=wasm, headers={"content-type": "application/wasm"}, timeout=300
     ).json()
-    models = [m["id"] for m in httpx.get(f"{v1}/models").json()["data"]]
+    models = [m["id"] for m in client.get(f"{v1}/models").json()["data"]]
+    client.close()
     return {
         "model": models,
         "name": models,
