@@ -150,8 +150,7 @@ class Scheduler:
 
     def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
-            if self.device_feed:
-                self._unqueue(steps)
+            self._unqueue(steps)
             launched = self._prelaunched.pop(id(steps), None)
             if launched is None:
                 live = []
@@ -282,10 +281,9 @@ class Scheduler:
                     if running:
                         self.stats.overlapped_passes += 1
                     steps = [s for s, _ in batch]
-                    if self.device_feed:
-                        with self._queue_cv:
-                            self._queued.append(steps)
-                            self._queue_cv.notify()
+                    with self._queue_cv:  # always, so the queue is right whenever the feed is switched on
+                        self._queued.append(steps)
+                        self._queue_cv.notify()
                     ended: list[float] = []
                     running.append(
                         (batch, loop.run_in_executor(self._executor, self._run_timed, steps, ended), ended)

@@ -225,6 +225,7 @@ def test_passes_fed_on_the_device_equal_the_plain_loop(pairs, name):
     assert ours == greedy_texts(plain, lengths)
     assert [len(t) for t in ours] == lengths
     assert not sched._prelaunched and not sched._queued  # nothing left behind
+    assert not plain.scheduler._queued  # passes are queued and unqueued with the feed off too
 
 
 def _feeding(model: Model):
