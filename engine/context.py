@@ -539,20 +539,9 @@ class Context:
         try:
             while True:
                 assert cur is not None
-                # As ``_guard()``, inline (once per token): busy while a pass of its rows runs.
-                if self._busy:
-                    raise InvalidRequestError(
-                        "this context is already running a forward pass; await it first"
-                    )
-                self._busy = True
-                try:
+                with self._guard():  # busy while a pass of its rows runs
                     result = await cur.future
-                finally:
-                    self._busy = False
-                    if self._closed:
-                        self._release()
-                if self._closed:  # closed while the pass ran: its rows are gone
-                    self._check_open()
+                self._check_open()  # closed while the pass ran: its rows are gone
                 step, cur = cur.step, None
                 if result is SKIPPED:  # its token never came: run its row as usual
                     if ahead is not None:
@@ -563,14 +552,8 @@ class Context:
                 counters.fed_back_tokens += 1
                 self._n += 1
                 self._table.publish(self._rows, self._n)
-                if request is not None and step.sampled is not None and step.sample is request:
-                    # The runner drew it (penalties applied and counted): ``_land`` + ``_pick``.
-                    token = step.sampled
-                    self._last_logits, self._last_hidden, self._sample_hint = result, None, None
-                    self._argmax_hint = (result, step.argmax) if step.argmax is not None else None
-                else:
-                    self._land(step, result)
-                    token = self._pick(result, sampler, None, adjust)
+                self._land(step, result)
+                token = self._pick(result, sampler, None, adjust)
                 if ahead is not None and token != _token_of(step):
                     await self._drop_ahead(ahead)  # computed for another token: redo
                     ahead = None
@@ -589,8 +572,7 @@ class Context:
                 yield event
                 if event.done is not None:
                     return
-                if self._closed:  # the consumer may close it while holding an event
-                    self._check_open()
+                self._check_open()  # the consumer may close it while holding an event
         finally:
             if ahead is not None:
                 await self._drop_ahead(ahead)

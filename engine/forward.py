@@ -157,9 +157,7 @@ class ForwardRunner:
             return []
         if self.graphs is not None and self.graphs.takes(steps):
             replayed: list = list(self.graphs.run(steps))
-            t0 = step_timing.start()
-            sample_pass(steps, replayed)
-            step_timing.stop("worker: sampling (with its device-to-host read)", t0)
+            _sample_timed(steps, replayed)
             return replayed
         t_inputs = step_timing.start()
         dev = self.device
@@ -303,13 +301,8 @@ class ForwardRunner:
             self.rows_computed += start
             rows = list(logits.unbind(0))
             if self.batch_argmax:
-                t_argmax = step_timing.start()
-                for step, best in zip(steps, logits.argmax(dim=-1).tolist(), strict=True):
-                    step.argmax = best
-                step_timing.stop("worker: argmax (with its device-to-host read)", t_argmax)
-            t0 = step_timing.start()
-            sample_pass(steps, rows)
-            step_timing.stop("worker: sampling (with its device-to-host read)", t0)
+                _set_argmax(steps, logits)
+            _sample_timed(steps, rows)
             return rows  # type: ignore[return-value]
         with torch.inference_mode(), pass_adapters(lora_table):
             hidden = self.arch.hidden_states(inp, pie_batch=meta)
@@ -371,17 +364,12 @@ class ForwardRunner:
                 out.append(logits[at : at + n])
                 at += n
         if self.batch_argmax and last_rows:
-            t_argmax = step_timing.start()
             assert logits is not None
-            picked = logits  # a decode pass: every row is a "last" step's
+            picked = logits
             if len(last_rows) != logits.shape[0]:
                 picked = logits[torch.tensor([r for _, r in last_rows], device=logits.device)]
-            for (step, _), best in zip(last_rows, picked.argmax(dim=-1).tolist(), strict=True):
-                step.argmax = best
-            step_timing.stop("worker: argmax (with its device-to-host read)", t_argmax)
-        t0 = step_timing.start()
-        sample_pass(steps, out)
-        step_timing.stop("worker: sampling (with its device-to-host read)", t0)
+            _set_argmax([step for step, _ in last_rows], picked)
+        _sample_timed(steps, out)
         return out
 
     def can_launch(self, steps: Sequence[StepInput]) -> bool:
@@ -410,9 +398,7 @@ class ForwardRunner:
         return each step's (V,) logits."""
         assert self.graphs is not None
         out = self.graphs.finish(launched)
-        t0 = step_timing.start()
-        sample_pass(launched.steps, out)
-        step_timing.stop("worker: sampling (with its device-to-host read)", t0)
+        _sample_timed(launched.steps, out)
         return out
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -442,6 +428,20 @@ class ForwardRunner:
             embeds.append(enc.embeddings[idx])
             deepstack.append([d[idx] for d in enc.deepstack] if enc.deepstack else None)
         return embeds, deepstack
+
+
+def _set_argmax(steps: Sequence[StepInput], logits: torch.Tensor) -> None:
+    """``StepInput.argmax`` of each step from its row of ``logits``, read in one copy."""
+    t0 = step_timing.start()
+    for step, best in zip(steps, logits.argmax(dim=-1).tolist(), strict=True):
+        step.argmax = best
+    step_timing.stop("worker: argmax (with its device-to-host read)", t0)
+
+
+def _sample_timed(steps: Sequence[StepInput], out: Sequence[Any]) -> None:
+    t0 = step_timing.start()
+    sample_pass(steps, out)
+    step_timing.stop("worker: sampling (with its device-to-host read)", t0)
 
 
 def pass_positions(steps: Sequence[StepInput], axes: int) -> torch.Tensor:

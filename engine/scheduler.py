@@ -156,9 +156,8 @@ class Scheduler:
                 live = []
                 for step in steps:
                     if step.after is not None:  # its token: what its predecessor's pass drew
-                        before = step.after
-                        token = before.sampled if before.sample is not None else before.argmax
-                        if token is None or not before.dispatched or before.skipped:
+                        token = _drawn(step.after)
+                        if token is None:
                             step.skipped = True
                             continue
                         step.tokens = [token]
@@ -191,29 +190,31 @@ class Scheduler:
         if nxt is None:
             return []
         rows = {id(s): i for i, s in enumerate(launched.steps)}
-        live: list[StepInput] = []
         fed_rows: list[tuple[int, int]] = []
-        fed: list[StepInput] = []
-        for step in nxt:
+        known: list[tuple[StepInput, int]] = []
+        for i, step in enumerate(nxt):
             before = step.after
-            if before is not None:
-                row = rows.get(id(before))
-                if row is not None:
-                    if before.sample is not None:
-                        return []  # a sampled token is drawn on the host side: no feed
-                    fed_rows.append((len(live), row))
-                    fed.append(step)
-                    step.tokens = [-1]
-                else:  # an earlier pass's token, on the host already (as _run takes it)
-                    token = before.sampled if before.sample is not None else before.argmax
-                    if token is None or not before.dispatched or before.skipped:
-                        return []
-                    step.tokens = [token]
-            live.append(step)
-        if not self.runner.can_launch(live):
+            if before is None:
+                continue
+            row = rows.get(id(before))
+            if row is None:  # an earlier pass's token, on the host already (as _run takes it)
+                token = _drawn(before)
+                if token is None:
+                    return []
+                known.append((step, token))
+            elif before.sample is not None:
+                return []  # a sampled token is drawn on the host side: no feed
+            else:
+                fed_rows.append((i, row))
+        if not self.runner.can_launch(nxt):
             return []
+        for step, token in known:
+            step.tokens = [token]
+        fed = [nxt[i] for i, _ in fed_rows]
+        for step in fed:
+            step.tokens = [-1]  # its id comes on the device
         try:
-            self._prelaunched[id(nxt)] = self.runner.launch(live, launched, fed_rows)
+            self._prelaunched[id(nxt)] = self.runner.launch(nxt, launched, fed_rows)
         except Exception:  # it runs as usual when its turn comes
             log.exception("launching a decode pass ahead of its tokens failed; it runs in turn")
             return []
@@ -326,6 +327,23 @@ class Scheduler:
             self._serving.discard(loop)
 
 
+def _drawn(step: StepInput) -> int | None:
+    """The token ``step``'s pass drew for its row, on the host, or None when there is none
+    (its pass has not run, failed to sample it, or it was skipped)."""
+    if not step.dispatched or step.skipped:
+        return None
+    return step.sampled if step.sample is not None else step.argmax
+
+
+def _switch(name: str, device: torch.device) -> bool:
+    """``name=1`` / ``0`` in the environment forces a switch on / off; unset, it is on for
+    a CUDA device."""
+    forced = os.environ.get(name, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return device.type == "cuda"
+
+
 def overlap_default(device: torch.device) -> bool:
     """``PIE_MEDIA_OVERLAP=1`` / ``0`` forces the overlap on / off; unset, it is on for a
     CUDA device and off on the CPU. Measured on the CPU (``bench/host_overhead.py``, tiny
@@ -333,20 +351,14 @@ def overlap_default(device: torch.device) -> bool:
     "device" there is the same CPU, and the worker's Python (index building, sampling's
     glue) and the loop's share one GIL, so there is little to hide and the switching costs.
     On a GPU the worker waits on the device without the GIL."""
-    forced = os.environ.get("PIE_MEDIA_OVERLAP", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return device.type == "cuda"
+    return _switch("PIE_MEDIA_OVERLAP", device)
 
 
 def device_feed_default(device: torch.device) -> bool:
     """``PIE_MEDIA_DEVICE_FEED=1`` / ``0`` forces the device feed on / off; unset, it is
     on for a CUDA device. It acts only with the overlap, CUDA-graph decode and the runner's
     pass-wide argmax (greedy rows without penalties)."""
-    forced = os.environ.get("PIE_MEDIA_DEVICE_FEED", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return device.type == "cuda"
+    return _switch("PIE_MEDIA_DEVICE_FEED", device)
 
 
 def _nothing() -> None:

@@ -67,22 +67,15 @@ def aims(out_dir: Path, bench_file: Path | None = None) -> list[dict]:
     )
     for c in ("1", "32"):  # not aims: what the overlap and the device feed save (shown, not judged)
         on = (bench.get("decode_only") or {}).get(c)
-        off = (bench.get("decode_only_no_overlap") or {}).get(c)
-        unfed = (bench.get("decode_only_no_feed") or {}).get(c)
-        if on and off:
-            add(
-                f"(info) decode at {c}: overlap on / off speed-up",
-                off["ms_per_step"] / on["ms_per_step"],
-                "x",
-                None,
-            )
-        if on and unfed:
-            add(
-                f"(info) decode at {c}: device feed on / off speed-up",
-                unfed["ms_per_step"] / on["ms_per_step"],
-                "x",
-                None,
-            )
+        for what, key in (("overlap", "decode_only_no_overlap"), ("device feed", "decode_only_no_feed")):
+            off = (bench.get(key) or {}).get(c)
+            if on and off:
+                add(
+                    f"(info) decode at {c}: {what} on / off speed-up",
+                    off["ms_per_step"] / on["ms_per_step"],
+                    "x",
+                    None,
+                )
     img_s = many.get("img_s") if many else None
     add("captions at 32 >= 150 images/s", img_s, "img/s", None if img_s is None else img_s >= 150)
     ratio = many["tok_s"] / ref32["tok_s"] if many and ref32 else None

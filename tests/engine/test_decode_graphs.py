@@ -8,6 +8,8 @@ the capture itself needs a GPU (tests/engine/test_cuda.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from engine import Context, ContextClosedError, InvalidRequestError, Model, Samp
 from engine.attention_flashinfer import FlashInferBackend
 from engine.decode_graphs import DecodeGraphs
 from engine.forward import StepInput
+from engine.scheduler import Scheduler
 from media import Image
 from tests.engine.conftest import TINY_GEMMA, TINY_QWEN
 from tests.engine.fake_flashinfer import installed
@@ -78,20 +81,25 @@ def _decode_all(model: Model, lengths: list[int], probs: list[list] | None = Non
             else:
                 ctx.user(prompt)
             contexts.append(ctx.cue())
-        try:
-            await asyncio.gather(*(c.flush() for c in contexts))
-            gens = await asyncio.gather(
-                *(
-                    c.generate(greedy_recording(i), max_tokens(n))
-                    for i, (c, n) in enumerate(zip(contexts, lengths, strict=True))
-                )
-            )
-            return [g.tokens for g in gens]
-        finally:
-            for c in contexts:
-                c.close()
+        await asyncio.gather(*(c.flush() for c in contexts))
+        return await _generate_all(contexts, [greedy_recording(i) for i in range(len(contexts))], lengths)
 
     return asyncio.run(go())
+
+
+async def _generate_all(
+    contexts: list[Context], samplers: list[Sampler], lengths: list[int]
+) -> list[list[int]]:
+    """Each context generated to its length with its sampler, all at once; their tokens.
+    The contexts are closed after."""
+    try:
+        gens = await asyncio.gather(
+            *(c.generate(s, max_tokens(n)) for c, s, n in zip(contexts, samplers, lengths, strict=True))
+        )
+        return [g.tokens for g in gens]
+    finally:
+        for c in contexts:
+            c.close()
 
 
 @pytest.mark.parametrize("name", [TINY_QWEN, TINY_GEMMA])
@@ -190,18 +198,8 @@ def test_refusals(fake_flashinfer, tiny_dir):
 def greedy_texts(model: Model, lengths: list[int]) -> list[list[int]]:
     """The text-only PROMPTS generated together, greedy, each to its length; their tokens."""
 
-    async def go() -> list[list[int]]:
-        contexts = [Context(model).user(p).cue() for p in PROMPTS]
-        try:
-            gens = await asyncio.gather(
-                *(c.generate(Sampler.greedy(), max_tokens(n)) for c, n in zip(contexts, lengths, strict=True))
-            )
-            return [g.tokens for g in gens]
-        finally:
-            for c in contexts:
-                c.close()
-
-    return asyncio.run(go())
+    contexts = [Context(model).user(p).cue() for p in PROMPTS]
+    return asyncio.run(_generate_all(contexts, [Sampler.greedy()] * len(contexts), lengths))
 
 
 @pytest.mark.parametrize("name", [TINY_QWEN, TINY_GEMMA])
@@ -212,37 +210,28 @@ def test_passes_fed_on_the_device_equal_the_plain_loop(pairs, name):
     told to wait for the next pass (on the CPU a pass is over when it is launched): the
     tokens equal the plain engine's, contexts stopping at different lengths included."""
     plain, graphs = pairs[name]
-    sched = graphs.scheduler
-    saved = (sched.overlap, sched.device_feed, sched.feed_wait_s)
-    sched.overlap, sched.device_feed, sched.feed_wait_s = True, True, 0.2
     lengths = [9, 3, 7, 5, 12]
-    try:
+    with _feeding(graphs) as sched:
         fed = sched.stats.fed_passes
         ours = greedy_texts(graphs, lengths)
         assert sched.stats.fed_passes - fed >= max(lengths) // 2  # most passes fed ahead
-    finally:
-        sched.overlap, sched.device_feed, sched.feed_wait_s = saved
     assert ours == greedy_texts(plain, lengths)
     assert [len(t) for t in ours] == lengths
     assert not sched._prelaunched and not sched._queued  # nothing left behind
     assert not plain.scheduler._queued  # passes are queued and unqueued with the feed off too
 
 
-def _feeding(model: Model):
-    """The scheduler set to feed passes on the device (as on CUDA), restored after."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def cm():
-        sched = model.scheduler
-        saved = (sched.overlap, sched.device_feed, sched.feed_wait_s)
-        sched.overlap, sched.device_feed, sched.feed_wait_s = True, True, 0.2
-        try:
-            yield sched
-        finally:
-            sched.overlap, sched.device_feed, sched.feed_wait_s = saved
-
-    return cm()
+@contextlib.contextmanager
+def _feeding(model: Model) -> Iterator[Scheduler]:
+    """The scheduler set to feed passes on the device (as on CUDA), restored after. The
+    worker waits up to 0.2 s for the next pass: on the CPU a pass is over when launched."""
+    sched = model.scheduler
+    saved = (sched.overlap, sched.device_feed, sched.feed_wait_s)
+    sched.overlap, sched.device_feed, sched.feed_wait_s = True, True, 0.2
+    try:
+        yield sched
+    finally:
+        sched.overlap, sched.device_feed, sched.feed_wait_s = saved
 
 
 def test_fed_greedy_rows_share_passes_with_seeded_sampled_ones(pairs):
