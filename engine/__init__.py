@@ -57,6 +57,8 @@ from engine.errors import (
     UnsupportedArchitectureError,
 )
 from engine.forward import BatchedHead, ForwardRunner, StepInput
+from engine.forward_pass import ForwardPass, ForwardPassError, PassOutput, media_position_span
+from engine.brle import BrleError
 from engine.grammar import Grammar, GrammarError, GrammarMatcher, GrammarUnavailableError
 from engine.kv_pool import KVPool, PoolStats, bytes_per_page
 from engine.lora import Adapter, AdapterStack
@@ -67,6 +69,17 @@ from engine.page_table import PageTable
 from engine.penalties import Penalties
 from engine.reasoning import ReasoningMarkers, ReasoningSplit, reasoning_markers
 from engine.sampling import GREEDY_BELOW, Sampler, generator
+from engine.slots import (
+    Slot,
+    SlotDistribution,
+    SlotEmbedding,
+    SlotEntropy,
+    SlotLogits,
+    SlotLogprobs,
+    SlotOutput,
+    SlotToken,
+)
+from engine.working_pages import WorkingPageError
 from engine.startup_heap import (
     freeze_startup_heap,
     frozen_objects,
@@ -90,6 +103,20 @@ __all__ = [
     "PageTable",
     "Scheduler",
     "StepInput",
+    "BrleError",
+    "ForwardPass",
+    "ForwardPassError",
+    "PassOutput",
+    "media_position_span",
+    "Slot",
+    "SlotDistribution",
+    "SlotEmbedding",
+    "SlotEntropy",
+    "SlotLogits",
+    "SlotLogprobs",
+    "SlotOutput",
+    "SlotToken",
+    "WorkingPageError",
     "TextInputs",
     "bytes_per_page",
     "check_attention_choice",

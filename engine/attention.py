@@ -78,10 +78,24 @@ class SeqMeta:
     made when first read: a decode pass of hundreds of sequences makes hundreds of these
     and many backends never read them); ``block_ids``: (q_len,) media block id per query
     row (-1 = none) for bidirectional blocks; ``first_page``: ``pages[0]`` when the pages
-    are consecutive ids (then K/V are read as views). A plain class with slots: one is
-    made per sequence and pass."""
+    are consecutive ids (then K/V are read as views); ``mask``: a (q_len, kv_len) boolean
+    mask the caller chose (``engine.forward_pass``: Pie's per-token attention masks), used
+    instead of the causal rule (a layer's media blocks still see each other, and a sliding
+    layer still cuts it to its window). A
+    plain class with slots: one is made per sequence and pass."""
 
-    __slots__ = ("q_start", "q_len", "kv_start", "block_ids", "first_page", "_pages", "_of", "_at", "_end")
+    __slots__ = (
+        "q_start",
+        "q_len",
+        "kv_start",
+        "block_ids",
+        "first_page",
+        "mask",
+        "_pages",
+        "_of",
+        "_at",
+        "_end",
+    )
 
     def __init__(
         self,
@@ -95,11 +109,12 @@ class SeqMeta:
         pages_of: torch.Tensor | None = None,
         at: int = 0,
         end: int = 0,
+        mask: torch.Tensor | None = None,
     ):
         if (pages is None) == (pages_of is None):
             raise ValueError("a SeqMeta takes its pages or a slice of the pass's pages, one of the two")
         self.q_start, self.q_len, self.kv_start = q_start, q_len, kv_start
-        self.block_ids, self.first_page = block_ids, first_page
+        self.block_ids, self.first_page, self.mask = block_ids, first_page, mask
         self._pages, self._of, self._at, self._end = pages, pages_of, at, end
 
     @property
@@ -155,7 +170,23 @@ def sequence_mask(
 ) -> torch.Tensor | None:
     """Boolean (q_len, kv_len) mask (True = attend), or None when plain causal attention
     over everything so far is right (decode without window, or a fresh causal prefill:
-    see ``_attend``)."""
+    see ``_attend``). A sequence's own ``mask`` replaces the causal rule; media blocks on
+    the layers that have them are added to it, and a sliding window still cuts it (the
+    layer never sees past its window)."""
+    if seq.mask is not None:
+        mask = seq.mask.to(device)
+        if blocks and seq.block_ids is not None and bool((seq.block_ids >= 0).any()):
+            # the layer's media blocks still see each other both ways (the model's own rule)
+            q_blocks = seq.block_ids.to(device)
+            k_blocks = torch.full((seq.kv_len,), -1, dtype=q_blocks.dtype, device=device)
+            k_blocks[seq.kv_start :] = q_blocks
+            mask = mask | ((q_blocks[:, None] == k_blocks[None, :]) & (q_blocks[:, None] >= 0))
+        if sliding_window is not None and seq.kv_len > sliding_window:
+            q_rows = torch.arange(seq.kv_start, seq.kv_len, device=device)
+            mask = mask & (
+                torch.arange(seq.kv_len, device=device)[None, :] > q_rows[:, None] - sliding_window
+            )
+        return mask
     use_blocks = blocks and seq.block_ids is not None and bool((seq.block_ids >= 0).any())
     window_bites = sliding_window is not None and seq.kv_len > sliding_window
     if not use_blocks and not window_bites:
@@ -210,9 +241,12 @@ class TorchBackend:
         blocks = layer in meta.block_overlay_layers
         group = None if softcap is not None else _decode_group(meta, page_size, sliding_window)
         rest = meta.seqs if group is None else group.rest
+        masked = _masked(meta)
+        if masked:  # sequences with masks of their own are attended alone, with their mask
+            rest = [s for s in rest if s.mask is None]
         plan = None
         if self.batch_sequences and len(rest) >= 2:
-            plan = _prefill_plan(meta, rest, page_size, query.shape[1], whole=group is None)
+            plan = _prefill_plan(meta, rest, page_size, query.shape[1], whole=group is None and not masked)
         rows = query[0].transpose(0, 1)  # (N, H, D): a view of the projection's layout
         out: torch.Tensor | None = None
         if plan is not None:
@@ -233,7 +267,7 @@ class TorchBackend:
                     out = rows.new_empty(rows.shape[0], rows.shape[1], o.shape[-1])
                 out.index_copy_(0, bucket.dest, o)
             rest = plan.singles
-        for seq in rest:
+        for seq in rest + masked if masked else rest:
             q = query[:, :, seq.q_start : seq.q_start + seq.q_len]  # (1, H, n, D)
             k, v = meta.pool.read_pages(layer, seq.pages, seq.kv_len, q.dtype, seq.first_page)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -269,6 +303,14 @@ class TorchBackend:
         return out.transpose(0, 1).unsqueeze(0)
 
 
+def _masked(meta: BatchMeta) -> list[SeqMeta]:
+    """The pass's sequences that carry a mask of their own (cached per pass)."""
+    masked = meta.cache.get("masked")
+    if masked is None:
+        masked = meta.cache["masked"] = [s for s in meta.seqs if s.mask is not None]
+    return masked
+
+
 @dataclass
 class _DecodeGroup:
     """The one-row, plain-causal sequences of a pass, attended in one padded SDPA call."""
@@ -296,7 +338,8 @@ def _decode_group(meta: BatchMeta, page_size: int, sliding_window: int | None) -
         return meta.cache[key]
     group_seqs, rest = [], []
     for seq in meta.seqs:
-        (group_seqs if seq.q_len == 1 and seq.block_ids is None else rest).append(seq)
+        plain = seq.q_len == 1 and seq.block_ids is None and seq.mask is None
+        (group_seqs if plain else rest).append(seq)
     group = None
     if len(group_seqs) >= 2:
         dev = meta.slots.device

@@ -168,7 +168,9 @@ def split_pass(meta: BatchMeta, page_size: int, blocks: bool) -> list[_Part]:
     groups: dict[PartKind, list[SeqMeta]] = {"decode": [], "prefill": [], "custom": []}
     for seq in meta.seqs:
         # block_ids.any(): one device sync per media sequence and pass (this is cached).
-        if blocks and seq.block_ids is not None and bool((seq.block_ids >= 0).any()):
+        if seq.mask is not None or (
+            blocks and seq.block_ids is not None and bool((seq.block_ids >= 0).any())
+        ):
             groups["custom"].append(seq)
         else:
             groups["decode" if seq.q_len == 1 else "prefill"].append(seq)

@@ -42,6 +42,7 @@ from engine.forward import LogitsWanted, MediaRows, StepInput
 from engine.grammar import Grammar, GrammarMatcher
 from engine.incremental_text import IncrementalText
 from engine.lora import AdapterStack
+from engine.masks import HiddenRows, sequence_causal_mask
 from engine.page_hashing import MediaRow
 from engine.page_table import PageTable, rows_key
 from engine.pass_sampling import SampleRequest
@@ -50,6 +51,7 @@ from engine.scheduler import SKIPPED
 from engine.step_timing import start as _phase_start
 from engine.step_timing import stop as _phase_stop
 from engine.tool_calls import tool_call_format
+from engine.working_pages import WorkingPages
 from media import check_int
 
 if TYPE_CHECKING:
@@ -127,8 +129,10 @@ class Distribution:
     probs: torch.Tensor
 
 
-class Context:
-    """A conversation with a model. ``Context(model)``; async methods run forward passes."""
+class Context(WorkingPages):
+    """A conversation with a model. ``Context(model)``; async methods run forward passes.
+    ``forward()`` builds one pass by hand (Pie's forward pass, ``engine.forward_pass``);
+    the working-page calls come from ``engine.working_pages``."""
 
     def __init__(self, model: Model, *, seed: int | None = None):
         self.model = model
@@ -138,6 +142,8 @@ class Context:
         self._finalizer = weakref.finalize(self, PageTable.release, self._table)
         self._rows: list[Row] = []
         self._n = 0  # committed rows
+        self._hidden = HiddenRows()
+        """Rows masked out of every later pass (``mask_token_range``)."""
         self._cursor = 0  # position of the next appended row
         self._last_logits: torch.Tensor | None = None
         self._argmax_hint: tuple[torch.Tensor, int] | None = None
@@ -483,7 +489,7 @@ class Context:
             if events[-1].done is not None:
                 return
             if plain:  # every further token: the decode loop (with the overlap where it is on)
-                ahead = self.model.scheduler.overlap
+                ahead = self.model.scheduler.overlap and not self._hidden
                 async for ev in self._decode_plain(gen, sampler, batched, budget, adjust, ahead):
                     yield ev
                 return
@@ -649,6 +655,54 @@ class Context:
             if after is not None and torch.equal(generator.get_state(), after):
                 generator.set_state(before)  # nothing drew since: give the draw back
 
+    async def _run_pass(
+        self,
+        rows: list[Row],
+        *,
+        mask: torch.Tensor | None,
+        out_rows: tuple[int, ...],
+        hidden_rows: tuple[int, ...],
+        adapters: tuple[tuple[Any, float], ...] = (),
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``engine.forward_pass``'s one step: append ``rows`` (their K/V at the next rows,
+        whatever their positions), compute them in one pass under ``mask`` (None: causal),
+        and return the logits of ``out_rows`` and the final hidden states of
+        ``hidden_rows`` (sorted row indices into ``rows``). On an error the rows are gone
+        again and the context is as it was."""
+        self._check_idle("run a forward pass")
+        if self.pending:
+            raise InvalidRequestError(
+                f"the context has {self.pending} filled rows not computed yet: flush() them first, or put "
+                "them in the pass as input tokens"
+            )
+        start, end = self._n, self._n + len(rows)
+        self._check_room(len(rows))
+        with self._guard():
+            self._table.set_salt(
+                self.adapters.identity() + b"".join(a.digest.encode() for a, _ in adapters), start
+            )
+            self._rows.extend(rows)
+            try:
+                step = self._plain_step(start, end, "rows")
+                if mask is not None and self._hidden:
+                    mask = mask & self._hidden.visible(end)[None, :]
+                elif mask is None and self._hidden:
+                    mask = self._default_mask(start, end)
+                step.mask, step.out_rows, step.hidden_rows = mask, out_rows, hidden_rows
+                step.adapters = self.adapters.items + tuple(adapters)
+                step.sample = None
+                logits, hidden = await self.model.scheduler.enqueue(step)
+            except BaseException:
+                del self._rows[start:]  # their K/V were never (all) written
+                raise
+        self._n = end
+        self._cursor = rows[-1].next_pos
+        self._last_logits = self._last_hidden = self._argmax_hint = self._sample_hint = None
+        if len(out_rows) and out_rows[-1] == len(rows) - 1 and logits is not None:
+            self._last_logits = logits[-1]  # a later generate() samples from it
+        self._chat.record([r.token for r in rows if r.span is None])
+        return logits, hidden
+
     async def verify_draft(self, draft: Sequence[int], sampler: sampling.Sampler | None = None) -> list[int]:
         """One speculative step outside ``generate``: check ``draft`` (the tokens a caller
         expects next) in one pass and append the longest prefix the sampler agrees with plus
@@ -804,6 +858,7 @@ class Context:
             child.adapters.push(adapter, scale)
         child._rows = list(self._rows)
         child._n = self._n
+        child._hidden = self._hidden.copy()
         child._cursor = self._cursor
         child._last_logits = self._last_logits
         child._argmax_hint = self._argmax_hint
@@ -840,6 +895,7 @@ class Context:
                 raise InvalidRequestError(f"row {n} is inside a media span; truncate before or after it")
         removed = len(self._rows) - n
         del self._rows[n:]
+        self._hidden.truncate(n)
         self._cursor = self._rows[-1].next_pos if self._rows else 0
         if n < self._n:
             self._n = n
@@ -878,6 +934,7 @@ class Context:
         self._finalizer.detach()
         self._rows = []
         self._n = 0
+        self._hidden = HiddenRows()
         self._last_logits = self._last_hidden = None
 
     def __enter__(self) -> Context:
@@ -900,6 +957,13 @@ class Context:
     def _check_open(self) -> None:
         if self._closed:
             raise ContextClosedError("this context is closed")
+
+    def _check_idle(self, what: str) -> None:
+        self._check_open()
+        if self._busy:
+            raise InvalidRequestError(
+                f"cannot {what} while a forward pass of this context runs; await it first"
+            )
 
     def _guard(self) -> _Busy:
         if self._busy:
@@ -1181,6 +1245,17 @@ class Context:
         return not (a.mm_type in (1, 2) and b.mm_type in (1, 2))
 
     def _build_step(self, start: int, end: int, want: LogitsWanted) -> StepInput:
+        step = self._plain_step(start, end, want)
+        if self._hidden:  # rows masked out for good: every pass says so
+            step.mask = self._default_mask(start, end)
+        return step
+
+    def _default_mask(self, start: int, end: int) -> torch.Tensor:
+        """(end - start, end) causal mask of rows [start, end) without the hidden rows (the
+        attention adds media blocks where a layer has them)."""
+        return sequence_causal_mask(start, end) & self._hidden.visible(end)[None, :]
+
+    def _plain_step(self, start: int, end: int, want: LogitsWanted) -> StepInput:
         self._table.reserve(start, end)
         if end - start == 1:
             row = self._rows[start]

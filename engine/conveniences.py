@@ -2,7 +2,7 @@
 
 ``model.embed`` needs ``engine.embeddings`` (which builds contexts), ``ctx.snapshot()`` /
 ``Context.resume`` need ``engine.snapshot``, ``ctx.beam_search`` needs ``engine.beam``, and
-``model.saved.import_`` needs ``Context.resume``: written in ``model.py``, ``context.py`` or
+``model.saved.import_`` needs ``Context.resume``, ``ctx.forward()`` needs ``engine.forward_pass``: written in ``model.py``, ``context.py`` or
 ``saved.py`` they would make those files import modules that import them back. They live
 here instead, at the top of the room, and the room's door (``engine/__init__.py``) imports
 this module, so every ``import engine...`` has them. Who owns what: ``model.py`` loading and
@@ -20,6 +20,7 @@ import torch
 from engine.beam import beam_search
 from engine.context import Context
 from engine.embeddings import embed_async, embed_many_async
+from engine.forward_pass import ForwardPass
 from engine.model import Model
 from engine.saved import SavedContexts
 from engine.snapshot import resume, snapshot
@@ -81,6 +82,14 @@ def _import(self: SavedContexts, name: str, data: bytes, *, model: Model, overwr
 
 Model.embed = _embed  # type: ignore[attr-defined]
 Model.embed_many = _embed_many  # type: ignore[attr-defined]
+
+
+def _forward(self: Context) -> ForwardPass:
+    """One forward pass built by hand (Pie's ``forward-pass``; ``engine.forward_pass``)."""
+    return ForwardPass(self)
+
+
+Context.forward = _forward  # type: ignore[attr-defined]
 Context.beam_search = _beam_search  # type: ignore[attr-defined]
 Context.snapshot = _snapshot  # type: ignore[attr-defined]
 Context.resume = classmethod(_resume)  # type: ignore[attr-defined,assignment]

@@ -226,6 +226,7 @@ class DecodeGraphs:
                     and s.embeds.shape[0] == 1
                     and not s.media
                     and s.block_ids is None
+                    and s.mask is None
                     and not s.adapters
                     for s in steps
                 )
@@ -238,6 +239,7 @@ class DecodeGraphs:
                 and s.logits == "last"
                 and not s.media
                 and s.block_ids is None
+                and s.mask is None
                 and not s.adapters
                 and s.embeds is None
                 for s in steps

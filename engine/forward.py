@@ -28,13 +28,15 @@ from engine.pass_sampling import SampleRequest, sample_pass
 if TYPE_CHECKING:
     from encoders import Encoded, Prepared
 
-LogitsWanted = Literal["none", "last", "all", "hidden", "states", "last+hidden", "head"]
+LogitsWanted = Literal["none", "last", "all", "hidden", "states", "last+hidden", "head", "rows"]
 """What a step wants back: nothing, the last row's logits, every row's logits, the last
 row's final hidden state, every row's final hidden states ("states", for embeddings), or
 the last row's logits and its final hidden state as a pair ("last+hidden": a prompt's
 prefill, whose hidden state the prefix cache keeps with its last page), or "head": what the
 runner's ``BatchedHead`` makes of the last row's final hidden state (CSM's depth decoder),
-computed in one batch for every "head" step of the pass."""
+computed in one batch for every "head" step of the pass; or "rows": the logits of the rows
+``StepInput.out_rows`` names and the final hidden states of those ``hidden_rows`` names, as
+a pair (``engine.forward_pass``'s sampler slots)."""
 Encode = Callable[[list["Prepared"]], list["Encoded"]]
 
 
@@ -119,6 +121,13 @@ class StepInput:
     pos: tuple[int, ...] | None = None
     """A one-row step's position per axis, in place of ``positions``: a decode step builds
     no tensor of its own; the runner builds the pass's positions at once (``pass_positions``)."""
+    mask: torch.Tensor | None = None
+    """(len(tokens), kv_start + len(tokens)) boolean attention mask (True = attend) chosen
+    by the caller, in place of the causal rule (``engine.attention.SeqMeta.mask``)."""
+    out_rows: tuple[int, ...] = ()
+    """With ``logits="rows"``: the rows (indices into ``tokens``) whose logits come back."""
+    hidden_rows: tuple[int, ...] = ()
+    """With ``logits="rows"``: the rows whose final hidden states come back."""
 
 
 class ForwardRunner:
@@ -253,6 +262,7 @@ class ForwardRunner:
                     pages_of=pages_d,
                     at=at_page,
                     end=end_page,
+                    mask=None if step.mask is None else step.mask.to(dev, non_blocking=True),
                 )
             )
             at_q += n
@@ -312,6 +322,8 @@ class ForwardRunner:
                     want_rows.append(seq.q_start + seq.q_len - 1)
                 elif step.logits == "all":
                     want_rows.extend(range(seq.q_start, seq.q_start + seq.q_len))
+                elif step.logits == "rows":
+                    want_rows.extend(seq.q_start + r for r in step.out_rows)
             logits = None
             if len(want_rows) == start:  # every row (a decode pass): no gather
                 logits = self.arch.logits(hidden).float()
@@ -334,6 +346,8 @@ class ForwardRunner:
                 if step.logits in ("hidden", "last+hidden")
                 else hidden[seq.q_start : seq.q_start + seq.q_len].clone()
                 if step.logits == "states"
+                else hidden[torch.tensor([seq.q_start + r for r in step.hidden_rows], device=dev)].float()
+                if step.logits == "rows" and step.hidden_rows
                 else None
                 for step, seq in zip(steps, seqs, strict=True)
             ]
@@ -352,6 +366,10 @@ class ForwardRunner:
                 out.append(next(heads))
             elif step.logits in ("hidden", "states"):
                 out.append(h)
+            elif step.logits == "rows":
+                k = len(step.out_rows)
+                out.append((logits[at : at + k] if k else None, h))
+                at += k
             elif step.logits in ("last", "last+hidden"):
                 assert logits is not None
                 if step.logits == "last":

@@ -191,6 +191,7 @@ class KVPool:
         self._page_of: dict[PageKey, int] = {}
         self._tails: OrderedDict[PageKey, _Tail] = OrderedDict()  # LRU first
         self._cache_limit: int | None = None
+        self._hole: int | None = None
 
     # -- storage --------------------------------------------------------------------------
     def storage_layer(self, layer: int) -> int:
@@ -277,6 +278,28 @@ class KVPool:
         for t in [*self.k, *self.v, *self._row_scales()]:
             if t is not None:
                 t[dst, :n] = t[src, :n]
+
+    @property
+    def hole_page(self) -> int | None:
+        """The hole page if one was made (``hole``), else None."""
+        return self._hole
+
+    def hole(self) -> int:
+        """The pool's hole page: zero K/V, held by the pool for good (made on first use, one
+        page). A context's table points a released page's place at it (``PageTable.drop``):
+        its rows are masked out of every later pass, and a gather that reads them anyway
+        reads finite zeros, never another context's rows."""
+        with self._lock:
+            if self._hole is None:
+                (page,) = self.allocate(1)
+                for t in [*self.k, *self.v]:
+                    if t is not None:
+                        t[page].zero_()
+                for t in self._row_scales():
+                    if t is not None:
+                        t[page].fill_(1.0)
+                self._hole = page
+            return self._hole
 
     # -- accounting ------------------------------------------------------------------------
     def stats(self) -> PoolStats:

@@ -65,3 +65,53 @@ def sequence_causal_mask(
         k_blocks = torch.full((kv_len,), -1, dtype=block_ids.dtype, device=q_rows.device)
         k_blocks[kv_start:] = block_ids
     return causal_mask(q_rows, k_rows, window=window, q_blocks=block_ids, k_blocks=k_blocks)
+
+
+class HiddenRows:
+    """K/V rows of one context masked out of every later pass (Pie 0.3's
+    ``mask_token_range``): a sliding window's evicted rows, an attention sink's gap. Kept
+    as a boolean array over rows; a page whose rows are all hidden can be released
+    (``engine.page_table.PageTable.drop``)."""
+
+    def __init__(self) -> None:
+        self._hidden = torch.zeros(0, dtype=torch.bool)
+
+    def __bool__(self) -> bool:
+        return bool(self._hidden.any())
+
+    def __len__(self) -> int:
+        """How many rows are hidden."""
+        return int(self._hidden.sum())
+
+    def set(self, start: int, end: int, hidden: bool) -> None:
+        if end > self._hidden.shape[0]:
+            grown = torch.zeros(end, dtype=torch.bool)
+            grown[: self._hidden.shape[0]] = self._hidden
+            self._hidden = grown
+        self._hidden[start:end] = hidden
+
+    def truncate(self, rows: int) -> None:
+        self._hidden = self._hidden[:rows].clone()
+
+    def copy(self) -> HiddenRows:
+        out = HiddenRows()
+        out._hidden = self._hidden.clone()
+        return out
+
+    def visible(self, kv_len: int) -> torch.Tensor:
+        """(kv_len,) bool: True where a key row may be attended."""
+        out = torch.ones(kv_len, dtype=torch.bool)
+        n = min(kv_len, self._hidden.shape[0])
+        out[:n] = ~self._hidden[:n]
+        return out
+
+    def whole_pages(self, page_size: int, rows: int) -> list[int]:
+        """Indices of the pages among the first ``rows`` rows whose rows are all hidden."""
+        full = min(rows, self._hidden.shape[0]) // page_size
+        if full == 0:
+            return []
+        per_page = self._hidden[: full * page_size].view(full, page_size).all(dim=1)
+        return per_page.nonzero().flatten().tolist()
+
+    def __repr__(self) -> str:
+        return f"HiddenRows({len(self)} of {self._hidden.shape[0]} rows)"

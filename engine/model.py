@@ -108,6 +108,7 @@ class Model:
         self._encoder_lock = threading.Lock()
         self.saved = SavedContexts()
         self.live_contexts: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._adapters: weakref.WeakSet[Adapter] = weakref.WeakSet()
         self.counters = EngineCounters()
         """Every context built on this model and not yet collected (``open_contexts`` counts the open ones)."""
         """Contexts saved by name (``Context.save``), pinned with their pages."""
@@ -402,7 +403,13 @@ class Model:
         does not fit); push it on a context's ``adapters`` stack to use it."""
         lm = self.arch.language_model
         prefix = next(n for n, m in self.arch.hf.named_modules() if m is lm)
-        return load_adapter(self.arch.hf, prefix, path, name)
+        adapter = load_adapter(self.arch.hf, prefix, path, name)
+        self._adapters.add(adapter)
+        return adapter
+
+    def owns_adapter(self, adapter: Adapter) -> bool:
+        """Whether ``adapter`` was loaded for this model (``load_adapter``)."""
+        return adapter in self._adapters
 
     def prepare(self, media: Any, **params: Any) -> Prepared:
         from encoders import Prepared

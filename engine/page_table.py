@@ -21,6 +21,16 @@ What a context does with its table, each step a small check and then the act:
 * ``fork``: a second table holding the same committed pages (one more reference each);
 * ``release``: give every page back.
 
+Committed and working pages (Pie's ``pie:core/context``). The first ``committed_rows``
+rows (whole pages) are the committed chain: keyed, published in the prefix cache,
+shared by forks and saved names. The pages after them are working pages: filled by a
+context's forward passes (``engine.forward_pass``) or reserved ahead
+(``add_pages``), private, and truncated or released at will until ``commit`` (or a
+``publish`` by the engine's own prefills, which commit every full page they fill) makes
+them part of the chain. ``drop`` releases pages whose rows are masked out for good
+(``engine.masks.HiddenRows``): the pool gets them back and the table points their place
+at the pool's zero ``hole`` page.
+
 Writes happen only to pages this table holds alone and that are unpublished, so sharing
 (forks, saved contexts, the prefix cache) never corrupts anyone's rows.
 """
@@ -68,6 +78,8 @@ class PageTable:
         whose rows straddle a push/pop is never taken for one computed under one stack."""
         self._pages: list[int] = []
         self._keys: list[PageKey] = []
+        self.committed_rows = 0
+        """Rows in the committed chain (whole pages; see the module doc)."""
 
     # -- facts ------------------------------------------------------------------------------
     @property
@@ -155,12 +167,16 @@ class PageTable:
         """Register every full page among the first ``committed`` rows that has no key yet
         (``rows`` holds at least those rows)."""
         ps = self.pool.page_size
+        hole = self.pool.hole_page
         for idx in range(len(self._keys), committed // ps):
+            if self._pages[idx] == hole:
+                break  # a released page's rows are gone: nothing from here on can be keyed
             key = rows_key(
                 self._keys[-1] if self._keys else None, rows[idx * ps : (idx + 1) * ps], self._page_salt(idx)
             )
             self._pages[idx] = self.pool.register(self._pages[idx], key)
             self._keys.append(key)
+        self.committed_rows = max(self.committed_rows, committed // ps * ps)
 
     # -- writing ----------------------------------------------------------------------------
     def shares(self, start: int, end: int) -> bool:
@@ -209,6 +225,7 @@ class PageTable:
         """Drop the keys of pages from the one holding row ``rows`` on: their rows will be
         rewritten (the pages stay held)."""
         del self._keys[rows // self.pool.page_size :]
+        self.committed_rows = min(self.committed_rows, rows // self.pool.page_size * self.pool.page_size)
 
     def truncate(self, rows: int) -> None:
         """Keep only the pages holding the first ``rows`` rows (and their keys)."""
@@ -227,6 +244,7 @@ class PageTable:
         self.pool.incref(held)
         child._pages = list(held)
         child._keys = list(self._keys)
+        child.committed_rows = min(self.committed_rows, rows // self.pool.page_size * self.pool.page_size)
         child._salts = [seg for seg in self._salts if seg[0] < rows] or [(0, b"")]
         return child
 
@@ -236,6 +254,52 @@ class PageTable:
             self.pool.decref(self._pages)
         self._pages = []
         self._keys = []
+        self.committed_rows = 0
+
+    # -- working pages (Pie's context) -------------------------------------------------------
+    @property
+    def committed_pages(self) -> int:
+        return self.committed_rows // self.pool.page_size
+
+    @property
+    def working_pages(self) -> int:
+        """Pages held past the committed chain (filled or only reserved)."""
+        return len(self._pages) - self.committed_pages
+
+    def add_pages(self, n: int) -> None:
+        """Reserve ``n`` more pages at the end (all or nothing: ``OutOfPagesError``)."""
+        self._pages.extend(self.pool.allocate(n))
+
+    def drop_tail(self, n: int) -> None:
+        """Give back the last ``n`` pages (the caller forgets the rows they held)."""
+        if n > 0:
+            drop = self._pages[-n:]
+            self.pool.decref(drop)
+            del self._pages[-n:]
+            del self._keys[len(self._pages) :]
+
+    def commit(self, rows: Sequence[KeyedRow], upto: int) -> None:
+        """Make rows ``[0, upto)`` (whole pages) the committed chain: key and publish them."""
+        self.publish(rows, upto)
+        self.committed_rows = max(self.committed_rows, upto)
+
+    def drop(self, indices: Sequence[int]) -> int:
+        """Release the pages at ``indices`` (their rows masked out for good): each place then
+        holds the pool's hole page. Returns how many pages went back."""
+        hole = self.pool.hole()
+        gone = [i for i in sorted(set(indices)) if self._pages[i] != hole]
+        if not gone:
+            return 0
+        self.pool.decref([self._pages[i] for i in gone])
+        self.pool.incref([hole] * len(gone))
+        for i in gone:
+            self._pages[i] = hole
+        return len(gone)
+
+    def holes(self) -> int:
+        """How many places hold the hole page (released pages)."""
+        hole = self.pool.hole_page
+        return 0 if hole is None else self._pages.count(hole)
 
     def __repr__(self) -> str:
         return f"PageTable({len(self._pages)} pages, {len(self._keys)} published)"
