@@ -53,8 +53,8 @@ import numpy as np
 import torch
 
 from engine import brle, sampling
-from engine.drafting import PromptLookupDrafter
 from engine.context import MM_TYPES, Context, Row, Span
+from engine.drafting import PromptLookupDrafter
 from engine.errors import EngineError, InvalidRequestError
 from engine.lora import Adapter
 from engine.page_hashing import MediaRow
