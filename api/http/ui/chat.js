@@ -3,9 +3,11 @@ import { ApiError, api, messageOf, sse } from "./api.js";
 import { $, dropZone, el, fillSelect, fmtBytes, showError } from "./ui.js";
 
 let history = []; // OpenAI messages of this conversation
-let attachments = []; // {file, url, media?, error?, data?}
+let attachments = []; // {file, url, media?, error?, data?, ready?: a promise while it uploads}
+let uploads = Promise.resolve(); // uploads go one at a time, in the order chosen
 let shownUrls = []; // object URLs of the media in this conversation's bubbles
 let running = null; // AbortController of the streaming answer
+let waiting = null; // AbortController of a Send that waits for its uploads to finish
 let models = [];
 
 export function setModels(list) {
@@ -32,38 +34,105 @@ function facts(a) {
   return parts.join(" · ");
 }
 
+/** Whether trying a failed upload again may help: the network or a busy server, not a
+ * refusal of the file itself (a 413 or 415 answers the same the next time). */
+function retryable(error) {
+  return !error.status || error.status === 408 || error.status === 429 || error.status >= 500;
+}
+
 function renderAttachments() {
   const list = $("chat-attachments");
   list.replaceChildren(
-    ...attachments.map((a, i) => {
+    ...attachments.map((a) => {
       const remove = el("button", { type: "button", "aria-label": `remove ${a.file.name}`, text: "×" });
       remove.addEventListener("click", () => {
         URL.revokeObjectURL(a.url);
-        attachments.splice(i, 1);
+        attachments = attachments.filter((b) => b !== a);
         renderAttachments();
       });
-      const text = a.error ? a.error.message : a.media ? facts(a) : "uploading…";
+      const buttons = [remove];
+      if (a.error && retryable(a.error)) {
+        const retry = el("button", { type: "button", class: "retry", "aria-label": `retry ${a.file.name}`, text: "retry" });
+        retry.addEventListener("click", () => {
+          transfer(a);
+          renderAttachments();
+        });
+        buttons.unshift(retry, " ");
+      }
+      const text = a.error
+        ? `upload failed: ${a.error.message.replace(/\.$/, "")}. Not sent without it: ${retryable(a.error) ? "retry or remove it" : "remove it"}.`
+        : a.media
+          ? facts(a)
+          : "uploading…";
       const thumb = kindOf(a) === "image" && !a.error ? [el("img", { class: "thumb", src: a.url, alt: "" }), " "] : [];
-      return el("li", { class: a.error ? "bad" : "" }, ...thumb, el("strong", { text: a.file.name }), " ", el("span", { class: "facts", text }), " ", remove);
+      const state = a.error ? "bad" : a.media ? "" : "pending";
+      return el("li", { class: state }, ...thumb, el("strong", { text: a.file.name }), " ", el("span", { class: "facts", text }), " ", ...buttons);
     }),
   );
+  renderSend();
 }
 
-async function upload(files) {
+/** Send and Stop as the chat stands: while a Send waits for uploads, the button says so and
+ * Stop cancels the wait (the message stays in the box); the note says what it waits for. */
+function renderSend() {
+  const send = $("chat-send");
+  send.disabled = Boolean(running || waiting);
+  send.textContent = waiting ? "Uploading…" : "Send";
+  $("chat-stop").disabled = !(running || waiting);
+  const pending = attachments.filter((a) => a.ready).length;
+  const note = $("chat-note");
+  note.hidden = !waiting;
+  note.textContent = waiting
+    ? `Waiting for ${pending} upload${pending === 1 ? "" : "s"} to finish: the message goes with ${pending === 1 ? "it" : "them"}. Stop cancels.`
+    : "";
+}
+
+function upload(files) {
   for (const file of files) {
     const a = { file, url: URL.createObjectURL(file) };
     attachments.push(a);
-    renderAttachments();
+    transfer(a);
+  }
+  renderAttachments();
+}
+
+/** Upload one attachment after those chosen before it. Until it has its media or its error,
+ * a.ready is a promise (it never rejects) that a Send waits for. */
+function transfer(a) {
+  a.error = null;
+  const ready = (uploads = uploads.then(async () => {
+    if (!attachments.includes(a)) return; // removed while it waited its turn
     const form = new FormData();
-    form.append("file", file, file.name);
+    form.append("file", a.file, a.file.name);
     try {
       const r = await api("/v1/media", { method: "POST", body: form });
       a.media = (await r.json()).data[0].media;
-      if (a.media.kind === "audio") a.data = await base64(file);
+      if (a.media.kind === "audio") a.data = await base64(a.file);
     } catch (e) {
       a.error = e;
     }
+  }));
+  a.ready = ready.then(() => {
+    a.ready = null;
     renderAttachments();
+  });
+}
+
+/** Wait until no attachment is uploading (ones added meanwhile too): true, or false when
+ * Stop cancelled the wait. */
+async function settle() {
+  waiting = new AbortController();
+  const stopped = new Promise((resolve) => waiting.signal.addEventListener("abort", () => resolve(false)));
+  renderSend();
+  try {
+    while (attachments.some((a) => a.ready)) {
+      const ok = await Promise.race([Promise.all(attachments.map((a) => a.ready)), stopped]);
+      if (ok === false) return false;
+    }
+    return true;
+  } finally {
+    waiting = null;
+    renderSend();
   }
 }
 
@@ -154,15 +223,26 @@ function request(messages) {
 
 async function send(e) {
   e.preventDefault();
-  if (running) return;
+  if (running || waiting) return;
   showError($("chat-error"), null);
-  const text = $("chat-input").value.trim();
-  const ready = attachments.filter((a) => a.media);
-  if (!text && !ready.length) return;
+  if (!$("chat-input").value.trim() && !attachments.length) return;
   if (!$("chat-model").value) {
     showError($("chat-error"), new Error("No chat model is served (or the key is missing): see the status line above."));
     return;
   }
+  // a message goes with every attachment listed or not at all: wait for those still uploading
+  if (attachments.some((a) => a.ready) && !(await settle())) return;
+  const broken = attachments.filter((a) => a.error);
+  if (broken.length) {
+    const names = broken.map((a) => a.file.name).join(", ");
+    const them = broken.length === 1 ? "it" : "them";
+    const fix = broken.some((a) => retryable(a.error)) ? `Retry or remove ${them}` : `Remove ${them}`;
+    showError($("chat-error"), new Error(`Not sent: ${names} did not upload, and the message never goes without ${them}. ${fix} (×), then press Send again.`));
+    return;
+  }
+  const text = $("chat-input").value.trim();
+  const ready = attachments;
+  if (!text && !ready.length) return;
   const content = [...ready.map(part), ...(text ? [{ type: "text", text }] : [])];
   const user = { role: "user", content };
   bubble("user", text, ready);
@@ -170,12 +250,9 @@ async function send(e) {
   out.classList.add("streaming");
   $("chat-input").value = "";
   shownUrls.push(...ready.map((a) => a.url));
-  for (const a of attachments) if (!ready.includes(a)) URL.revokeObjectURL(a.url);
   attachments = [];
-  renderAttachments();
   running = new AbortController();
-  $("chat-send").disabled = true;
-  $("chat-stop").disabled = false;
+  renderAttachments();
   let answer = "";
   let thought = "";
   let stopped = false;
@@ -210,8 +287,7 @@ async function send(e) {
     // a refused turn stays on screen but not in the history: later turns would repeat it
     if (!failed) history.push(user, { role: "assistant", content: answer });
     running = null;
-    $("chat-send").disabled = false;
-    $("chat-stop").disabled = true;
+    renderSend();
   }
 }
 
@@ -228,9 +304,13 @@ export function init() {
       $("chat-form").requestSubmit();
     }
   });
-  $("chat-stop").addEventListener("click", () => running?.abort());
+  $("chat-stop").addEventListener("click", () => {
+    running?.abort();
+    waiting?.abort();
+  });
   $("chat-clear").addEventListener("click", () => {
     running?.abort();
+    waiting?.abort();
     history = [];
     for (const url of shownUrls) URL.revokeObjectURL(url);
     shownUrls = [];

@@ -6,13 +6,16 @@ import { $, el, showError } from "./ui.js";
 const EVERY_MS = 2000;
 const SPAN_MS = 5 * 60_000; // the charts show the last 5 minutes, as a Grafana panel's "Last 5 minutes"...
 const history = new Map(); // "model|chart" -> [{t, values}]
-let firstT = null; // ...or, while the page has watched for less, the whole minutes since it opened
+let firstT = null; // ...or, while the server has run for less, the whole minutes since the
+let loadedT = null; // earlier of this page's first sample and the server's start (its models' load time)
 
-/** The charts' window: whole minutes, from 1 to SPAN_MS, so the page's first minutes of
- * samples fill the width instead of a sliver at the right of an empty box. */
+/** The charts' window: the whole minutes since the server (or, if earlier, this page) began,
+ * from 1 to SPAN_MS: a new server's first minutes fill the width instead of a sliver at the
+ * right of an empty box, and a page opened on a server that has run 5 minutes shows them all. */
 function spanAt(t) {
   firstT ??= t;
-  return Math.min(SPAN_MS, Math.max(1, Math.ceil((t - firstT) / 60_000)) * 60_000);
+  const since = Math.min(firstT, loadedT ?? firstT);
+  return Math.min(SPAN_MS, Math.max(1, Math.ceil((t - since) / 60_000)) * 60_000);
 }
 let last = null; // previous scrape, for per-interval TTFT
 
@@ -125,6 +128,8 @@ async function refresh() {
 }
 
 export function setModels(list) {
+  const created = list.map((m) => m.created).filter((c) => Number.isFinite(c));
+  if (created.length) loadedT = Math.min(...created) * 1000; // set again when a restarted server answers
   $("server-models").tBodies[0].replaceChildren(
     ...(list.length
       ? list.map((m) =>
