@@ -663,12 +663,16 @@ class Context(WorkingPages):
         out_rows: tuple[int, ...],
         hidden_rows: tuple[int, ...],
         adapters: tuple[tuple[Any, float], ...] = (),
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        sample: SampleRequest | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
         """``engine.forward_pass``'s one step: append ``rows`` (their K/V at the next rows,
         whatever their positions), compute them in one pass under ``mask`` (None: causal),
-        and return the logits of ``out_rows`` and the final hidden states of
-        ``hidden_rows`` (sorted row indices into ``rows``). On an error the rows are gone
-        again and the context is as it was."""
+        and return the logits of ``out_rows``, the final hidden states of ``hidden_rows``
+        (sorted row indices into ``rows``) and, with ``sample`` (when ``out_rows`` is the
+        last row alone), the token the pass drew from that row with it, batched with the
+        pass's other rows (``engine.pass_sampling``; None if it could not). A step whose
+        only output is its last row's logits takes the runner's decode path. On an error
+        the rows are gone again and the context is as it was."""
         self._check_idle("run a forward pass")
         if self.pending:
             raise InvalidRequestError(
@@ -678,30 +682,37 @@ class Context(WorkingPages):
         start, end = self._n, self._n + len(rows)
         self._check_room(len(rows))
         with self._guard():
-            self._table.set_salt(
-                self.adapters.identity() + b"".join(a.digest.encode() for a, _ in adapters), start
-            )
+            salt = self.adapters.identity()
+            if adapters:
+                salt += b"|" + "|".join(f"{a.digest}:{k!r}" for a, k in adapters).encode()
+            self._table.set_salt(salt, start)
             self._rows.extend(rows)
             try:
-                step = self._plain_step(start, end, "rows")
+                last_only = out_rows == (len(rows) - 1,) and not hidden_rows
+                step = self._plain_step(start, end, "last" if last_only else "rows")
                 if mask is not None and self._hidden:
                     mask = mask & self._hidden.visible(end)[None, :]
                 elif mask is None and self._hidden:
                     mask = self._default_mask(start, end)
                 step.mask, step.out_rows, step.hidden_rows = mask, out_rows, hidden_rows
-                step.adapters = self.adapters.items + tuple(adapters)
-                step.sample = None
-                logits, hidden = await self.model.scheduler.enqueue(step)
+                if adapters:
+                    step.adapters = self.adapters.items + tuple(adapters)
+                step.sample = sample if last_only else None
+                result = await self.model.scheduler.enqueue(step)
             except BaseException:
                 del self._rows[start:]  # their K/V were never (all) written
                 raise
+        if last_only:
+            logits, hidden, sampled = result[None], None, step.sampled
+        else:
+            (logits, hidden), sampled = result, None
         self._n = end
         self._cursor = rows[-1].next_pos
         self._last_logits = self._last_hidden = self._argmax_hint = self._sample_hint = None
-        if len(out_rows) and out_rows[-1] == len(rows) - 1 and logits is not None:
+        if out_rows and out_rows[-1] == len(rows) - 1 and logits is not None:
             self._last_logits = logits[-1]  # a later generate() samples from it
         self._chat.record([r.token for r in rows if r.span is None])
-        return logits, hidden
+        return logits, hidden, sampled
 
     async def verify_draft(self, draft: Sequence[int], sampler: sampling.Sampler | None = None) -> list[int]:
         """One speculative step outside ``generate``: check ``draft`` (the tokens a caller

@@ -45,6 +45,7 @@ plain decode rows beside it keep their batched path.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ from engine.drafting import PromptLookupDrafter
 from engine.errors import EngineError, InvalidRequestError
 from engine.lora import Adapter
 from engine.page_hashing import MediaRow
+from engine.pass_sampling import SampleRequest
 from engine.slots import Slot, SlotOutput, SlotRequest, SlotToken, check_slot, compute
 from media import check_int, check_number
 
@@ -254,6 +256,16 @@ class ForwardPass:
         """Run the pass (batched with every other context's) and answer its slots."""
         self._open()
         self._executed = True
+        if len(self._slots) == 1 and not (
+            self._drafts
+            or self._mask is not None
+            or self._logit_mask is not None
+            or self._adapter
+            or self._output_spec
+        ):
+            row, slot = self._slots[0]
+            if slot.kind == "token" and row == len(self._inputs) - 1:
+                return await self._one_token(slot)
         ctx, rows = self._ctx, self._inputs + self._drafts
         if not rows:
             raise ForwardPassError("this pass has no input rows; attach input_tokens() (or media) first")
@@ -275,23 +287,47 @@ class ForwardPass:
         hidden_rows = sorted({r for r, s in self._slots if s.kind == "embedding"})
         adapters = (self._adapter,) if self._adapter is not None else ()
         start = ctx.committed
-        logits, hidden = await ctx._run_pass(
-            rows, mask=mask, out_rows=tuple(logit_rows), hidden_rows=tuple(hidden_rows), adapters=adapters
+        requests = [SlotRequest(r, s, self._slot_generator(s)) for r, s in self._slots]
+        # The first token slot on the last row, when the pass reads no other row: drawn in
+        # the pass with every other context's rows (one batched call), not afterwards.
+        in_pass = None
+        if verify is None and logit_mask is None and logit_rows == [len(rows) - 1] and not hidden_rows:
+            in_pass = next((i for i, r in enumerate(requests) if r.slot.kind == "token"), None)
+        sample = None
+        if in_pass is not None:
+            req = requests[in_pass]
+            assert req.slot.sampler is not None
+            sample = SampleRequest(req.slot.sampler, req.generator or ctx._rng())
+        logits, hidden, sampled = await ctx._run_pass(
+            rows,
+            mask=mask,
+            out_rows=tuple(logit_rows),
+            hidden_rows=tuple(hidden_rows),
+            adapters=adapters,
+            sample=sample,
         )
         at = {r: i for i, r in enumerate(logit_rows)}
         hat = {r: i for i, r in enumerate(hidden_rows)}
-        requests = [SlotRequest(r, s, self._slot_generator(s)) for r, s in self._slots]
-        plain = [i for i in range(len(requests)) if i != verify]
-        outputs = compute(
-            [requests[i] for i in plain],
-            logits,
-            [at.get(requests[i].row, -1) for i in plain],
-            hidden,
-            [hat.get(requests[i].row, -1) for i in plain],
-            logit_mask=logit_mask,
-            generator=ctx._rng(),
+        if sampled is None:
+            in_pass = None  # the pass could not draw it: drawn below as any slot
+        plain = [i for i in range(len(requests)) if i != verify and i != in_pass]
+        outputs = (
+            []
+            if not plain
+            else compute(
+                [requests[i] for i in plain],
+                logits,
+                [at.get(requests[i].row, -1) for i in plain],
+                hidden,
+                [hat.get(requests[i].row, -1) for i in plain],
+                logit_mask=logit_mask,
+                generator=ctx._rng(),
+            )
         )
         slots: list[Any] = list(outputs)
+        if in_pass is not None:
+            assert sampled is not None
+            slots.insert(in_pass, SlotToken(sampled))
         accepted = 0
         if verify is not None:
             assert logits is not None
@@ -304,16 +340,33 @@ class ForwardPass:
             out.spec_tokens, out.spec_positions = self._propose(start, rows, n_in, out)
         return out
 
+    async def _one_token(self, slot: Slot) -> PassOutput:
+        """The common pass (rows in, one token drawn from the last): the token drawn in the
+        pass with every other context's rows, nothing else to answer."""
+        ctx = self._ctx
+        assert slot.sampler is not None
+        sample = SampleRequest(slot.sampler, self._slot_generator(slot) or ctx._rng())
+        logits, _, sampled = await ctx._run_pass(
+            self._inputs, mask=None, out_rows=(len(self._inputs) - 1,), hidden_rows=(), sample=sample
+        )
+        if sampled is None:  # the pass could not draw it: as any slot (raises its error)
+            assert logits is not None
+            return PassOutput(compute([SlotRequest(0, slot, sample.generator)], logits, [0], None, []))
+        return PassOutput([SlotToken(sampled)])
+
     # -- internals --------------------------------------------------------------------------
     def _open(self) -> None:
         if self._executed:
             raise ForwardPassError("this forward pass was executed; build another with ctx.forward()")
 
     def _text_rows(self, tokens: Iterable[int], positions: Iterable[int] | None, at: int) -> list[Any]:
-        ids = [check_int("token id", t) for t in tokens]
+        try:
+            ids = [operator.index(t) for t in tokens]
+        except TypeError as e:
+            raise ForwardPassError(f"token ids are integers: {e}") from None
         vocab = self._ctx.model.arch.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = [t for t in ids if not 0 <= t < vocab]
             raise ForwardPassError(f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
         pos = (
             list(range(at, at + len(ids)))

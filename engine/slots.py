@@ -223,23 +223,24 @@ def compute(
         assert logits is not None
         at = sorted({logit_row[i] for i in scored})
         where = {r: j for j, r in enumerate(at)}
-        lsm = torch.log_softmax(logits[torch.tensor(at, device=logits.device)].float(), dim=-1)
+        x = logits if len(at) == logits.shape[0] else logits[torch.tensor(at, device=logits.device)]
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # log p = x - lse: no log-softmax row
         entropy = None
         if any(requests[i].slot.kind == "entropy" for i in scored):
-            p = lsm.exp()
-            entropy = (-(p * lsm.nan_to_num(neginf=0.0)).sum(dim=-1)).tolist()
+            # H = -sum p (x - lse) = lse - sum p x, with p = exp(x - lse); -inf logits add 0
+            p = torch.exp(x - lse)
+            entropy = (lse[:, 0] - (p * x.nan_to_num(neginf=0.0)).sum(dim=-1)).tolist()
         for i in scored:
             slot, j = requests[i].slot, where[logit_row[i]]
             if slot.kind == "entropy":
                 assert entropy is not None
                 out[i] = SlotEntropy(float(entropy[j]))
             else:
-                out[i] = SlotLogprobs(lsm[j, list(slot.tokens)].tolist())
+                out[i] = SlotLogprobs((x[j, list(slot.tokens)] - lse[j]).tolist())
     for i, r in enumerate(requests):
         if r.slot.kind == "dist":
             assert logits is not None and r.slot.sampler is not None
-            ids, probs = sampling.dist(logits[logit_row[i]], r.slot.sampler, r.slot.top)
-            out[i] = SlotDistribution(ids.tolist(), probs.tolist())
+            out[i] = _top_k_distribution(logits[logit_row[i]], r.slot.sampler.temperature, r.slot.top)
         elif r.slot.kind == "raw_logits":
             assert logits is not None
             out[i] = SlotLogits(logits[logit_row[i]].clone())
@@ -248,3 +249,22 @@ def compute(
             out[i] = SlotEmbedding(hidden[hidden_row[i]].clone())
     assert all(o is not None for o in out)
     return out  # type: ignore[return-value]
+
+
+def _top_k_distribution(row: torch.Tensor, temperature: float, k: int) -> SlotDistribution:
+    """softmax(row / T)'s ``k`` most probable tokens (T = 0: the argmax with 1.0), most
+    probable first, ties by lower id, probabilities not renormalised. A ``topk`` of k + 1
+    then a stable sort of those: no sort of the vocabulary (13 ms a row at 152k tokens)."""
+    if temperature == 0:
+        return SlotDistribution([int(sampling.argmax(row[None])[0])], [1.0])
+    scaled = row.float() / temperature
+    k = min(k, scaled.shape[0])
+    top, ids = scaled.topk(min(k + 1, scaled.shape[0]))  # order of the logits = of the probs
+    # the k-th place may tie with tokens topk left out: take every token at that value
+    if k < scaled.shape[0] and bool(top[-1] == top[k - 1]):
+        ids = torch.nonzero(scaled >= top[k - 1]).flatten()
+        top = scaled[ids]
+    values = torch.exp(top - torch.logsumexp(scaled, dim=-1))
+    order = sorted(range(ids.shape[0]), key=lambda j: (-float(values[j]), int(ids[j])))[:k]
+    keep = [p for p in order if float(values[p]) > 0]
+    return SlotDistribution([int(ids[p]) for p in keep], [float(values[p]) for p in keep])

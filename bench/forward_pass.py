@@ -1,0 +1,159 @@
+"""Host cost of a decode loop driven pass by pass (``ctx.forward()``) against the engine's own.
+
+    python -m bench.forward_pass [--contexts 1,32] [--steps 32] [--rounds 3] [--real] [--out PATH]
+
+Each of N contexts decodes ``steps`` greedy tokens, all at once (their passes batched by
+the scheduler), in three ways:
+
+* ``engine``: ``ctx.stream(greedy, max_tokens)``, the engine's decode loop (overlap as the
+  device has it: off on the CPU);
+* ``forward 1 slot``: a loop of ``ctx.forward().input_tokens([t]).sampler([0], greedy)``
+  passes, as Pie's python-example inferlet drives one;
+* ``forward 4 slots``: the same with a dist (top 8), an entropy and the logprobs of 4
+  candidates on the row beside the token.
+
+The forward is the stand-in of ``bench/host_overhead.py`` (fixed hidden states and logits
+row: what is left is the host's share), and with ``--real`` also the whole tiny Qwen3-VL.
+Figures: process CPU milliseconds per step (best of ``--rounds``, interleaved), wall
+milliseconds per step, and the ratios the aims are about: a one-slot pass <= 1.2x the
+engine's step at 32 contexts; each extra slot <= 10% of a one-slot pass.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
+]
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from typing import Any
+
+from bench.host_overhead import PROMPT, load
+
+
+async def _engine(model, n: int, steps: int) -> None:
+    from engine import Context, Sampler, max_tokens
+
+    contexts = [Context(model).user(PROMPT).cue() for _ in range(n)]
+    for c in contexts:
+        await c.flush()
+
+    async def one(ctx) -> None:
+        async for _ in ctx.stream(Sampler.greedy(), max_tokens(steps)):
+            pass
+
+    try:
+        await asyncio.gather(*(one(c) for c in contexts))
+    finally:
+        for c in contexts:
+            c.close()
+
+
+async def _forward(model, n: int, steps: int, extra: bool) -> None:
+    from engine import Context, Slot
+
+    contexts = [Context(model).user(PROMPT).cue() for _ in range(n)]
+    firsts = []
+    for c in contexts:
+        last = c.token_ids[-1]
+        c.truncate(len(c) - 1)
+        await c.flush()
+        firsts.append(last)
+    greedy = Slot.greedy()
+    probes = [Slot.dist(1.0, 8), Slot.entropy(), Slot.logprobs([1, 2, 3, 4])]
+
+    async def one(ctx, token: int) -> None:
+        for _ in range(steps):
+            fp = ctx.forward().input_tokens([token])
+            h = fp.sampler([0], greedy)
+            if extra:
+                for p in probes:
+                    fp.sampler([0], p)
+            out = await fp.execute()
+            token = out[h].token
+
+    try:
+        await asyncio.gather(*(one(c, t) for c, t in zip(contexts, firsts, strict=True)))
+    finally:
+        for c in contexts:
+            c.close()
+
+
+def _timed(model, run) -> tuple[float, float, int]:
+    passes = model.scheduler.stats.passes
+    t0, c0 = time.perf_counter(), time.process_time()
+    asyncio.run(run)
+    return time.perf_counter() - t0, time.process_time() - c0, model.scheduler.stats.passes - passes
+
+
+def measure(model, n: int, steps: int, rounds: int) -> dict[str, Any]:
+    """ms per decode step (CPU of the process, wall), each way; steps of ``steps + 8`` minus
+    steps of 8 tokens, over ``steps`` (set-up and prefill cancel out)."""
+    ways = {
+        "engine": lambda k: _engine(model, n, k),
+        "forward 1 slot": lambda k: _forward(model, n, k, False),
+        "forward 4 slots": lambda k: _forward(model, n, k, True),
+    }
+    best: dict[str, list[float]] = {w: [float("inf"), float("inf")] for w in ways}
+    for make in ways.values():  # warm-up: first calls, kernels, allocator
+        _timed(model, make(4))
+    for _ in range(rounds):
+        for way, make in ways.items():
+            short = _timed(model, make(8))
+            long = _timed(model, make(8 + steps))
+            cpu = (long[1] - short[1]) / steps * 1e3
+            wall = (long[0] - short[0]) / steps * 1e3
+            best[way][0] = min(best[way][0], cpu)
+            best[way][1] = min(best[way][1], wall)
+    row: dict[str, Any] = {w: {"cpu_ms": round(c, 3), "wall_ms": round(wl, 3)} for w, (c, wl) in best.items()}
+    row["one slot over engine (cpu)"] = round(best["forward 1 slot"][0] / best["engine"][0], 3)
+    row["each extra slot over one slot (cpu)"] = round(
+        (best["forward 4 slots"][0] / best["forward 1 slot"][0] - 1) / 3, 3
+    )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="1,32")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--real", action="store_true", help="also the real tiny model's forward")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    counts = [int(c) for c in args.contexts.split(",")]
+    result: dict[str, Any] = {
+        "machine": platform.processor() or platform.machine(),
+        "cpu": _cpu_name(),
+        "steps": args.steps,
+        "rounds": args.rounds,
+    }
+    for label, real in [("stand_in", False), *([("tiny_model", True)] if args.real else [])]:
+        model = load(real, max(counts))
+        result[label] = {}
+        for n in counts:
+            result[label][str(n)] = row = measure(model, n, args.steps, args.rounds)
+            print(f"{label}, {n:3d} contexts: {row}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
