@@ -50,9 +50,6 @@ __all__ = ["FILTERS", "available", "is_exact", "resample", "vertical_first"]
 
 log = logging.getLogger(__name__)
 
-PRECISION_BITS = 22  # Pillow: 32 - 8 - 2
-ROW_BLOCK = 32  # rows per transposed block in the horizontal kernel
-
 R = PILImage.Resampling
 # Pillow filter -> (our kernel's filter id, support)
 FILTERS: dict[int, tuple[int, float]] = {
@@ -89,155 +86,18 @@ _kernels_lock = threading.Lock()
 
 
 def _compile() -> dict[str, Any] | None:
-    """The numba kernels, compiled (or loaded from numba's cache) on first use."""
+    """The numba kernels (:mod:`media.resample_kernels`; each compiled, or loaded from
+    numba's cache, on its first call), or None without numba."""
     try:
-        import numba
+        from media import resample_kernels as k
     except ImportError:
         return None
-
-    njit = numba.njit(nogil=True, cache=True)
-    half = np.int32(1 << (PRECISION_BITS - 1))
-    shift = PRECISION_BITS
-    block = ROW_BLOCK
-
-    @numba.njit(cache=True)
-    def weight(fid, x):
-        if fid == 0:  # box
-            return 1.0 if (x > -0.5 and x <= 0.5) else 0.0
-        if fid == 1:  # bilinear
-            if x < 0.0:
-                x = -x
-            return 1.0 - x if x < 1.0 else 0.0
-        if fid == 2:  # hamming; Pillow's constants are the floats 0.54f and 0.46f
-            if x < 0.0:
-                x = -x
-            if x == 0.0:
-                return 1.0
-            if x >= 1.0:
-                return 0.0
-            x = x * np.pi
-            return np.sin(x) / x * (np.float64(np.float32(0.54)) + np.float64(np.float32(0.46)) * np.cos(x))
-        if fid == 3:  # bicubic, a = -0.5
-            a = -0.5
-            if x < 0.0:
-                x = -x
-            if x < 1.0:
-                return ((a + 2.0) * x - (a + 3.0)) * x * x + 1
-            if x < 2.0:
-                return (((x - 5) * x + 8) * x - 4) * a
-            return 0.0
-        # lanczos: sinc(x) * sinc(x / 3) on [-3, 3)
-        if not (-3.0 <= x and x < 3.0):
-            return 0.0
-        s1 = 1.0
-        if x != 0.0:
-            y = x * np.pi
-            s1 = np.sin(y) / y
-        x3 = x / 3
-        s2 = 1.0
-        if x3 != 0.0:
-            y = x3 * np.pi
-            s2 = np.sin(y) / y
-        return s1 * s2
-
-    @njit
-    def coefficients(in_size, out_size, fid, support_unit):
-        scale = np.float64(in_size) / out_size
-        filterscale = scale if scale >= 1.0 else 1.0
-        support = support_unit * filterscale
-        ksize = int(np.ceil(support)) * 2 + 1
-        kk = np.zeros((out_size, ksize), np.int32)
-        taps = np.zeros((out_size, 2), np.int32)
-        w = np.zeros(ksize, np.float64)
-        ss = 1.0 / filterscale
-        for xx in range(out_size):
-            center = (xx + 0.5) * scale
-            xmin = int(center - support + 0.5)
-            if xmin < 0:
-                xmin = 0
-            xmax = int(center + support + 0.5)
-            if xmax > in_size:
-                xmax = in_size
-            xmax -= xmin
-            ww = 0.0
-            for x in range(xmax):
-                w[x] = weight(fid, (x + xmin - center + 0.5) * ss)
-                ww += w[x]
-            for x in range(xmax):
-                v = w[x] / ww if ww != 0.0 else w[x]
-                kk[xx, x] = int(-0.5 + v * 4194304.0) if v < 0 else int(0.5 + v * 4194304.0)
-            taps[xx, 0] = xmin
-            taps[xx, 1] = xmax
-        return taps, kk
-
-    @njit
-    def vertical(src, dst, cin, cout, taps, kk, y0, y1):
-        # src (h_in, w * cin), dst (h_out, w * cout) uint8; output rows y0..y1.
-        n = src.shape[1]
-        width = n // cin
-        acc = np.empty(n, np.int32)
-        for y in range(y0, y1):
-            ymin = taps[y, 0]
-            for i in range(n):
-                acc[i] = half
-            for t in range(taps[y, 1]):
-                k = kk[y, t]
-                row = src[ymin + t]
-                for i in range(n):
-                    acc[i] += np.int32(row[i]) * k
-            out = dst[y]
-            if cin == cout:
-                for i in range(n):
-                    v = acc[i] >> shift
-                    out[i] = 0 if v < 0 else (255 if v > 255 else v)
-            else:
-                for x in range(width):
-                    for c in range(cout):
-                        v = acc[x * cin + c] >> shift
-                        out[x * cout + c] = 0 if v < 0 else (255 if v > 255 else v)
-
-    @njit
-    def horizontal(src, dst, taps, kk, y0, y1):
-        # src (h, w_in, cin >= 3), dst (h, w_out, 3) uint8; rows y0..y1. A block of rows is
-        # transposed into packed 0x00BBGGRR words so each tap is one contiguous vector.
-        w_in = src.shape[1]
-        w_out = dst.shape[1]
-        table = np.empty((w_in, block), np.int32)
-        a0 = np.empty(block, np.int32)
-        a1 = np.empty(block, np.int32)
-        a2 = np.empty(block, np.int32)
-        for r0 in range(y0, y1, block):
-            rows = min(block, y1 - r0)
-            for r in range(rows):
-                line = src[r0 + r]
-                for x in range(w_in):
-                    table[x, r] = (
-                        np.int32(line[x, 0]) | (np.int32(line[x, 1]) << 8) | (np.int32(line[x, 2]) << 16)
-                    )
-            for xx in range(w_out):
-                xmin = taps[xx, 0]
-                for r in range(block):
-                    a0[r] = half
-                    a1[r] = half
-                    a2[r] = half
-                for t in range(taps[xx, 1]):
-                    k = kk[xx, t]
-                    col = table[xmin + t]
-                    for r in range(block):
-                        p = col[r]
-                        a0[r] += (p & 255) * k
-                        a1[r] += ((p >> 8) & 255) * k
-                        a2[r] += ((p >> 16) & 255) * k
-                for r in range(rows):
-                    v0 = a0[r] >> shift
-                    v1 = a1[r] >> shift
-                    v2 = a2[r] >> shift
-                    out = dst[r0 + r, xx]
-                    out[0] = 0 if v0 < 0 else (255 if v0 > 255 else v0)
-                    out[1] = 0 if v1 < 0 else (255 if v1 > 255 else v1)
-                    out[2] = 0 if v2 < 0 else (255 if v2 > 255 else v2)
-
-    return {"coefficients": coefficients, "vertical": vertical, "horizontal": horizontal}
+    return {
+        "coefficients": k.coefficients,
+        "vertical": k.vertical,
+        "horizontal": k.horizontal,
+        "row_block": k.ROW_BLOCK,  # the horizontal kernel's bands start at multiples of it
+    }
 
 
 def _get_kernels() -> dict[str, Any] | None:
@@ -312,7 +172,7 @@ def _horizontal(src: np.ndarray, width: int, resample: int, bands: int) -> np.nd
     out = np.empty((h, width, 3), np.uint8)
     kernels = _get_kernels()
     assert kernels is not None
-    _run_bands(kernels["horizontal"], h, width * 3, bands, ROW_BLOCK, src, out, taps, kk)
+    _run_bands(kernels["horizontal"], h, width * 3, bands, kernels["row_block"], src, out, taps, kk)
     return out
 
 
@@ -356,7 +216,9 @@ _verified: bool | None = None
 
 def is_exact() -> bool:
     """Probe once per process that these kernels give the installed Pillow's pixels for
-    every filter, both pass orders, up- and down-scales, 3- and 4-channel input; if
+    every filter, both pass orders, up- and down-scales, 3- and 4-channel input (the
+    4-channel one read-only, as a decoded image's pixels come: numba compiles read-only
+    arrays apart, so the probe also compiles, or loads, what a request's resize runs); if
     not (or numba is missing) this path is never used."""
     global _verified
     if _verified is None:
@@ -367,6 +229,7 @@ def is_exact() -> bool:
         src = rng.integers(0, 256, (61, 83, 3), dtype=np.uint8)
         pil = PILImage.fromarray(src)
         rgbx = np.concatenate([src, np.full((61, 83, 1), 255, np.uint8)], axis=2)
+        rgbx.flags.writeable = False
         cases = [(40, 17), (120, 20), (30, 90), (200, 150), (83, 30), (50, 61), (83, 200)]
         _verified = all(
             np.array_equal(resample(arr, size, f, bands=2), np.asarray(pil.resize(size, resample=f)))

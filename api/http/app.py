@@ -30,9 +30,11 @@ from api.http.openapi import install_openapi
 from api.http.registry import ModelRegistry, ServedModel, add_lora_modules
 from api.http.responses_store import ResponseStore
 from api.http.routes import ROUTERS, batches, health, ui
+from api.http.routes.media import token_counts
 from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, admin_only, bearer_auth
 from api.http.settings import ServeSettings
 from api.http.store import MediaStore
+from api.http.warmup import warm_uploads
 from engine import freeze_startup_heap, unfreeze_startup_heap
 from inferlets import InferletRuntime, RunLimits
 from media import DEFAULT_LIMITS
@@ -189,6 +191,9 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
             settings.inferlet_cache_dir or settings.state_dir,
             limits=RunLimits(wall_s=settings.inferlet_wall_s),
         )
+        # Every path an upload takes, run once now: /ready means the first upload is as
+        # quick as the next (api/http/warmup.py).
+        await asyncio.to_thread(warm_uploads, functools.partial(token_counts, service), resolver.limits)
         registry.ready = True
         _announce_tenancy(keys, settings, store)
         reload_keys = _install_key_reload(keys)
