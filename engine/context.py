@@ -166,6 +166,9 @@ class Context(WorkingPages):
         self._generator: torch.Generator | None = None
         self._busy = False
         self._overlap: list[_Submitted] = []
+        self._staged: _Staged | None = None
+        """The next hand-built pass, submitted while the one before ran (Pie's pass
+        speculation, ``engine.forward_pass``); taken if the next pass is the one predicted."""
         """Decode steps of ``_decode_plain`` submitted lately (closing cancels those still
         waiting for a pass); ended ones are dropped as new ones come."""
         self._closed = False
@@ -664,6 +667,7 @@ class Context(WorkingPages):
         hidden_rows: tuple[int, ...],
         adapters: tuple[tuple[Any, float], ...] = (),
         sample: SampleRequest | None = None,
+        stage: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
         """``engine.forward_pass``'s one step: append ``rows`` (their K/V at the next rows,
         whatever their positions), compute them in one pass under ``mask`` (None: causal),
@@ -672,8 +676,25 @@ class Context(WorkingPages):
         last row alone), the token the pass drew from that row with it, batched with the
         pass's other rows (``engine.pass_sampling``; None if it could not). A step whose
         only output is its last row's logits takes the runner's decode path. On an error
-        the rows are gone again and the context is as it was."""
-        self._check_idle("run a forward pass")
+        the rows are gone again and the context is as it was.
+
+        ``stage`` (a greedy ``sample`` on the last row, no mask, no adapter): while this pass
+        runs, the next one is submitted too, taking the token this one draws at the next
+        row and position (``StepInput.after``, the overlap's mechanism); if the next call
+        is exactly that pass it awaits the staged one instead of queueing (a hit), else the
+        staged pass is dropped (a miss) and the call runs as usual. Tokens are the same
+        either way."""
+        self._check_open()
+        if self._busy:
+            raise InvalidRequestError(
+                "cannot run a forward pass while one of this context runs; await it first"
+            )
+        if self._staged is not None:
+            if self._staged_fits(rows, mask, out_rows, hidden_rows, adapters, sample):
+                return await self._run_staged(rows, stage)
+            staged, self._staged = self._staged, None
+            self.model.counters.staged_misses += 1
+            await self._drop_ahead(staged.submitted)
         if self.pending:
             raise InvalidRequestError(
                 f"the context has {self.pending} filled rows not computed yet: flush() them first, or put "
@@ -698,9 +719,14 @@ class Context(WorkingPages):
                 if adapters:
                     step.adapters = self.adapters.items + tuple(adapters)
                 step.sample = sample if last_only else None
-                result = await self.model.scheduler.enqueue(step)
+                future = self.model.scheduler.enqueue(step)
+                if stage and last_only and sample is not None and sample.sampler.is_greedy:
+                    if mask is None and not adapters and not self._hidden:
+                        self._stage_after(step, rows[-1].next_pos)
+                result = await future
             except BaseException:
                 del self._rows[start:]  # their K/V were never (all) written
+                self._unstage()
                 raise
         if last_only:
             logits, hidden, sampled = result[None], None, step.sampled
@@ -713,6 +739,112 @@ class Context(WorkingPages):
             self._last_logits = logits[-1]  # a later generate() samples from it
         self._chat.record([r.token for r in rows if r.span is None])
         return logits, hidden, sampled
+
+    def _stage_after(self, step: StepInput, pos: int) -> None:
+        """Submit the pass after ``step``'s (its row's token is what ``step`` draws), at the
+        row after the context's and position ``pos``; nothing when its page is shared or
+        the pool has none."""
+        row = step.kv_start + len(step.tokens)
+        if self._table.shares(row, row + 1):
+            return
+        try:
+            self._table.reserve(row, row + 1)
+        except OutOfPagesError:
+            return
+        nxt = StepInput(
+            tokens=[-1],
+            positions=None,
+            pos=(pos,) * self.model.arch.position_axes,
+            kv_start=row,
+            pages=self._table.pages,
+            logits="last",
+            adapters=self.adapters.items,
+            after=step,
+            sample=step.sample,
+        )
+        submitted = _Submitted(nxt, self.model.scheduler.enqueue(nxt))
+        if len(self._overlap) >= 4:
+            self._overlap[:] = [s for s in self._overlap if not s.future.done()]
+        self._overlap.append(submitted)
+        self._staged = _Staged(submitted, nxt.pos, self.adapters.items)
+
+    def _staged_fits(
+        self,
+        rows: list[Row],
+        mask: torch.Tensor | None,
+        out_rows: tuple[int, ...],
+        hidden_rows: tuple[int, ...],
+        adapters: tuple[tuple[Any, float], ...],
+        sample: SampleRequest | None,
+    ) -> bool:
+        """Whether this pass is the staged one: one text row with the token the pass before
+        drew, at the predicted position, its logits alone, drawn with the same sampler."""
+        staged = self._staged
+        assert staged is not None
+        step = staged.submitted.step
+        before = step.after
+        return (
+            len(rows) == 1
+            and rows[0].span is None
+            and before is not None
+            and rows[0].token == before.sampled
+            and rows[0].pos == staged.pos
+            and mask is None
+            and out_rows == (0,)
+            and not hidden_rows
+            and not adapters
+            and not self._hidden
+            and self.adapters.items == staged.adapters
+            and sample is not None
+            and step.sample is not None
+            and sample.sampler == step.sample.sampler
+        )
+
+    async def _run_staged(self, rows: list[Row], stage: bool) -> tuple[torch.Tensor, None, int | None]:
+        """``_run_pass`` of the staged pass: its row joins the context, the result is the
+        staged step's (staging the one after it first, when asked)."""
+        staged, self._staged = self._staged, None
+        assert staged is not None
+        step, start = staged.submitted.step, self._n
+        with self._guard():
+            self._rows.extend(rows)
+            if stage:
+                self._stage_after(step, rows[0].next_pos)
+            try:
+                result = await staged.submitted.future
+            except BaseException:
+                del self._rows[start:]
+                self._unstage()
+                raise
+        if result is SKIPPED:  # its token never came: run the row as usual
+            del self._rows[start:]
+            self._unstage()
+            return await self._run_pass(rows, mask=None, out_rows=(0,), hidden_rows=(), sample=step.sample)
+        self.model.counters.staged_hits += 1
+        self._n = start + 1
+        self._cursor = rows[0].next_pos
+        self._last_hidden = self._argmax_hint = self._sample_hint = None
+        self._last_logits = result
+        if self._chat.open_turn:
+            self._chat.record([rows[0].token])
+        return result.unsqueeze(0), None, step.sampled
+
+    def _unstage(self) -> None:
+        """Drop a staged pass before anything else changes the context: cancelled if it has
+        not been handed to the forward worker, else its pages are held until its pass ends
+        (the row it writes is past the context's; it draws nothing: it is greedy)."""
+        staged = self._staged
+        if staged is None:
+            return
+        self._staged = None
+        self.model.counters.staged_misses += 1
+        submitted = staged.submitted
+        if not submitted.step.dispatched:
+            submitted.future.cancel()
+        elif not submitted.future.done():
+            pages, pool = list(submitted.step.pages), self.model.pool
+            pool.incref(pages)
+            submitted.future.add_done_callback(lambda _f: pool.decref(pages))
 
     async def verify_draft(self, draft: Sequence[int], sampler: sampling.Sampler | None = None) -> list[int]:
         """One speculative step outside ``generate``: check ``draft`` (the tokens a caller
@@ -897,6 +1029,7 @@ class Context(WorkingPages):
         self._check_open()
         if self._busy:
             raise InvalidRequestError("cannot truncate a context while it runs a forward pass")
+        self._unstage()
         n = check_int("rows to keep", n)
         if not 0 <= n <= len(self._rows):
             raise InvalidRequestError(f"cannot truncate to {n} rows: the context has {len(self._rows)}")
@@ -938,6 +1071,7 @@ class Context(WorkingPages):
         self._finalizer = weakref.finalize(self, PageTable.release, table)
 
     def _release(self) -> None:
+        self._unstage()
         for submitted in self._overlap:  # never to run into pages someone else may get
             if not submitted.step.dispatched:
                 submitted.future.cancel()
@@ -971,12 +1105,15 @@ class Context(WorkingPages):
 
     def _check_idle(self, what: str) -> None:
         self._check_open()
+        self._unstage()
         if self._busy:
             raise InvalidRequestError(
                 f"cannot {what} while a forward pass of this context runs; await it first"
             )
 
     def _guard(self) -> _Busy:
+        if self._staged is not None:
+            self._unstage()
         if self._busy:
             raise InvalidRequestError("this context is already running a forward pass; await it first")
         return _Busy(self)
@@ -994,6 +1131,8 @@ class Context(WorkingPages):
         return self._generator
 
     def _append_text(self, ids: Sequence[int]) -> None:
+        if self._staged is not None:
+            self._unstage()
         axes = self.model.arch.position_axes
         c = self._cursor
         for t in ids:
@@ -1021,6 +1160,8 @@ class Context(WorkingPages):
                 f"prepared positions have shape {tuple(pos.shape)}, expected "
                 f"({arch.position_axes}, {prepared.num_rows})"
             )
+        if self._staged is not None:
+            self._unstage()
         placeholder_id = prepared.placeholder_id
         ids = prepared.input_ids
         types = prepared.mm_token_type or [MM_TYPES[prepared.kind] if t == placeholder_id else 0 for t in ids]
@@ -1324,6 +1465,12 @@ class Context(WorkingPages):
             )
             for span, at, emb in spans.values()
         ]
+
+
+class _Staged(NamedTuple):
+    submitted: _Submitted
+    pos: tuple[int, ...]
+    adapters: tuple[tuple[Any, float], ...]
 
 
 class _Submitted(NamedTuple):

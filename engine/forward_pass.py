@@ -142,6 +142,7 @@ class ForwardPass:
         self._logit_mask: Sequence[int] | torch.Tensor | None = None
         self._adapter: tuple[Adapter, float] | None = None
         self._output_spec = False
+        self._speculate = True
         self._executed = False
 
     # -- facts ------------------------------------------------------------------------------
@@ -189,6 +190,13 @@ class ForwardPass:
     def output_speculative_tokens(self, flag: bool = True) -> ForwardPass:
         """Propose the next pass's drafts (prompt lookup over the context) in the output."""
         self._output_spec = bool(flag)
+        return self
+
+    def pass_speculation(self, flag: bool = True) -> ForwardPass:
+        """Whether the runtime may stage the pass after this one (on by default): a greedy
+        one-token pass submits its successor, fed the token it draws, while it runs; the
+        next ``execute`` that is exactly that pass then skips the queue (``Context._run_pass``)."""
+        self._speculate = bool(flag)
         return self
 
     def input_image(self, image: Any, anchor: int | None = None) -> Prepared:
@@ -347,7 +355,12 @@ class ForwardPass:
         assert slot.sampler is not None
         sample = SampleRequest(slot.sampler, self._slot_generator(slot) or ctx._rng())
         logits, _, sampled = await ctx._run_pass(
-            self._inputs, mask=None, out_rows=(len(self._inputs) - 1,), hidden_rows=(), sample=sample
+            self._inputs,
+            mask=None,
+            out_rows=(len(self._inputs) - 1,),
+            hidden_rows=(),
+            sample=sample,
+            stage=self._speculate and not slot.seed,
         )
         if sampled is None:  # the pass could not draw it: as any slot (raises its error)
             assert logits is not None

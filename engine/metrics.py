@@ -51,6 +51,11 @@ class EngineCounters:
     """Tokens drafters (or a grammar's forced tokens) proposed for verification."""
     accepted_draft_tokens: int = 0
     """Drafted tokens the sampler agreed with (kept)."""
+    staged_hits: int = 0
+    """Hand-built passes (``engine.forward_pass``) that found their pass staged and already
+    queued or run (Pie's pass speculation), so they skipped the queue."""
+    staged_misses: int = 0
+    """Staged passes dropped: the next pass was not the one predicted (or none came)."""
     ttft: Histogram = field(default_factory=Histogram)
     """First token of a generation, measured from the stream's start (prefill included)."""
     itl: Histogram = field(default_factory=Histogram)
@@ -93,6 +98,10 @@ class MetricsSnapshot:
     device_fed_passes: int = 0
     """Passes launched on the device before the pass whose argmax they take as token ids
     had returned it to the host (the scheduler's device feed)."""
+    staged_hits: int = 0
+    """Hand-built passes that found their pass already staged (``EngineCounters``)."""
+    staged_misses: int = 0
+    """Staged passes dropped because the next pass was another."""
 
     @property
     def mean_steps_per_pass(self) -> float:

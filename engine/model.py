@@ -374,6 +374,8 @@ class Model:
             prepared_cache_bytes=cache.prepared_bytes if cache else 0,
             drafted_tokens=c.drafted_tokens,
             accepted_draft_tokens=c.accepted_draft_tokens,
+            staged_hits=c.staged_hits,
+            staged_misses=c.staged_misses,
         )
 
     @property

@@ -125,7 +125,7 @@ class WorkingPages:
     def mask_token_range(self, start: int, end: int, masked: bool = True) -> None:
         """Hide rows ``[start, end)`` from every later pass of this context (``masked=False``
         shows them again, unless their page was dropped)."""
-        self._check_open()
+        self._check_idle("mask rows")
         start = check_int("start row", start, min=0)
         end = check_int("end row", end, min=start)
         if end > len(self._rows):

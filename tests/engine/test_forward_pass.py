@@ -502,3 +502,107 @@ def test_a_masked_pass_shares_the_forward_pass_with_plain_decodes(qwen):
     assert torch.allclose(a_logits, b_logits, atol=1e-5)
     assert a_text == b_text
     assert shared <= 7  # the masked pass rode along with the decode passes
+
+
+# -- staged passes (Pie's pass speculation) -------------------------------------------------------
+async def _decode_by_hand(model, ids: list[int], steps: int, *, speculate: bool, detour=None) -> list[int]:
+    """Greedy decoding one hand-built pass per token; ``detour(ctx, i)`` may do something
+    else between passes (a miss for the staged pass)."""
+    ctx = Context(model)
+    token, out_tokens = None, []
+    pending = ids
+    for i in range(steps):
+        fp = ctx.forward().input_tokens(pending).pass_speculation(speculate)
+        h = fp.sampler([len(pending) - 1], Slot.greedy())
+        token = (await fp.execute())[h].token
+        out_tokens.append(token)
+        pending = [token]
+        if detour is not None:
+            pending = await detour(ctx, i, pending)
+    ctx.close()
+    return out_tokens
+
+
+def test_staged_passes_hit_and_give_the_same_tokens(qwen):
+    model = qwen
+    ids = _ids(model)
+    steps = 20
+
+    async def main():
+        c = model.counters
+        plain = await _decode_by_hand(model, ids, steps, speculate=False)
+        hits, misses, queued = c.staged_hits, c.staged_misses, model.scheduler.stats.steps
+        staged = await _decode_by_hand(model, ids, steps, speculate=True)
+        return (
+            plain,
+            staged,
+            c.staged_hits - hits,
+            c.staged_misses - misses,
+            model.scheduler.stats.steps - queued,
+        )
+
+    plain, staged, hits, misses, queued = run(main())
+    assert staged == plain
+    assert hits == steps - 1  # every pass after the prompt's found its pass staged
+    assert misses == 1  # the one staged after the last pass, dropped at close
+    assert steps <= queued <= steps + 1  # no step queued twice: a hit awaits the staged one
+
+
+def test_staged_pass_misses_fall_back_to_the_same_tokens(qwen):
+    """Between passes: another token than the one drawn, a truncation, a mask; each drops the
+    staged pass and the loop goes on exactly as without staging."""
+    model = qwen
+    ids = _ids(model)
+    steps = 12
+
+    async def detour(ctx, i, pending):
+        if i == 2:
+            return [7]  # not the token drawn
+        if i == 5:
+            ctx.truncate_working_page_tokens(1)  # drop the last row: it is input again
+            return [ctx_token_before(ctx), *pending]
+        if i == 8:
+            ctx.mask_token_range(1, 3)
+        return pending
+
+    last_rows: dict[int, int] = {}
+
+    def ctx_token_before(ctx):
+        return last_rows[id(ctx)]
+
+    async def tracking(ctx, i, pending):
+        last_rows[id(ctx)] = ctx.token_ids[-1]
+        return await detour(ctx, i, pending)
+
+    async def main():
+        c = model.counters
+        plain = await _decode_by_hand(model, ids, steps, speculate=False, detour=tracking)
+        misses = c.staged_misses
+        staged = await _decode_by_hand(model, ids, steps, speculate=True, detour=tracking)
+        return plain, staged, c.staged_misses - misses
+
+    plain, staged, misses = run(main())
+    assert staged == plain
+    assert misses >= 3
+
+
+def test_a_closed_context_with_a_staged_pass_gives_its_pages_back(qwen):
+    model = qwen
+    ids = _ids(model)
+
+    async def main():
+        free = model.pool.available()
+        ctx = Context(model)
+        fp = ctx.forward().input_tokens(ids)
+        fp.sampler([len(ids) - 1], Slot.greedy())
+        await fp.execute()
+        assert ctx._staged is not None
+        ctx.close()
+        for _ in range(50):
+            if model.pool.available() >= free:
+                break
+            await asyncio.sleep(0.02)
+        return free
+
+    free = run(main())
+    assert model.pool.available() >= free
