@@ -303,6 +303,45 @@ def check_mixed_batch(ref: Model, ours: Model, close: Close, label: str) -> None
         close(x, y, f"{label}: context {i} of a mixed pass")
 
 
+def _masked_pass(model: Model) -> tuple[list[torch.Tensor], int]:
+    """One forward pass holding a hand-built pass with its own attention mask (a row that
+    sees a later row of its pass, a span hidden from the rows after it) beside a one-row
+    decode step of another context and a fresh prompt: each context's logits, pass count."""
+    from engine import Slot
+
+    async def go() -> tuple[list[torch.Tensor], int]:
+        plain = Context(model).user("What is the sea made of?").cue()
+        await plain.flush()
+        plain.fill_tokens(model.tokenize(" Water")[:1])
+        fresh = Context(model).user(PROMPT).cue()
+        masked = Context(model)
+        ids = model.tokenize(PROMPT)
+        n = len(ids)
+        mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        mask[8:, 2:6] = False
+        mask[3, 4] = True  # row 3 sees row 4, later in its own pass
+        fp = masked.forward().input_tokens(ids).attention_mask(mask)
+        first = fp.sampler(range(n), Slot.raw_logits())
+        before = model.scheduler.stats.passes
+        out, a, b = await asyncio.gather(
+            fp.execute(), plain.flush(return_logits=True), fresh.flush(return_logits=True)
+        )
+        passes = model.scheduler.stats.passes - before
+        for c in (plain, fresh, masked):
+            c.close()
+        return [torch.stack([out[first + i].logits for i in range(n)]), a, b], passes
+
+    return asyncio.run(go())
+
+
+def check_masked_pass(ref: Model, ours: Model, close: Close, label: str) -> None:
+    la, pa = _masked_pass(ref)
+    lb, pb = _masked_pass(ours)
+    assert pa == pb == 1, (pa, pb)
+    for what, x, y in zip(("masked pass", "decode row beside it", "prompt beside it"), lb, la, strict=True):
+        close(x, y, f"{label}: {what}")
+
+
 def check_concurrent_decodes(ref: Model, ours: Model, label: str, n: int = 12) -> None:
     """Several contexts generating together (batched decode passes): same tokens."""
     prompts = ["Say one thing.", PROMPT, "Another, somewhat longer, request about the sea and boats."]
@@ -365,6 +404,15 @@ def test_fake_image(cpu_refs, fake_models, name):
 @pytest.mark.parametrize("name", [*NAMES, GEMMA_BLOCKS])
 def test_fake_mixed_pass(cpu_refs, fake_models, name):
     check_mixed_batch(cpu_refs[name], fake_models[name], _fp32_close, name)
+
+
+@pytest.mark.parametrize("name", [*NAMES, GEMMA_BLOCKS])
+def test_fake_masked_pass_beside_plain_rows(cpu_refs, fake_models, name):
+    """A hand-built pass's own mask reaches flashinfer's custom-mask plan; the decode row
+    and the prompt in the same pass keep their plans."""
+    _FakeWrapper.calls.clear()
+    check_masked_pass(cpu_refs[name], fake_models[name], _fp32_close, name)
+    assert ("plan", "custom") in _FakeWrapper.calls
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -560,6 +608,12 @@ def test_gpu_gemma_sliding_window_and_image_blocks(gpu_pairs, name):
     ctx.close()
     check_image(ref, ours, _bf16_close, f"{name} bf16")
     check_mixed_batch(ref, ours, _bf16_close, f"{name} bf16")
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("name", [*NAMES, GEMMA_BLOCKS])
+def test_gpu_masked_pass_beside_plain_rows(gpu_pairs, name):
+    check_masked_pass(*gpu_pairs[name], _bf16_close, f"{name} bf16")
 
 
 @needs_flashinfer
