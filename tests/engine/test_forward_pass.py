@@ -606,3 +606,74 @@ def test_a_closed_context_with_a_staged_pass_gives_its_pages_back(qwen):
 
     free = run(main())
     assert model.pool.available() >= free
+
+
+def test_generate_honours_rows_hidden_for_good(qwen):
+    """``mask_token_range`` applies to the engine's own passes too: ``generate`` after it
+    equals a hand-built loop whose every row's mask hides the same rows."""
+    model = qwen
+    ids = _ids(model)
+    steps, hide = 10, (2, 9)
+
+    async def main():
+        a = Context(model).fill_tokens(ids)
+        await a.flush()
+        a.mask_token_range(*hide)
+        got = (await a.generate(max_tokens=steps, stop=None)).tokens
+        a.close()
+        b = Context(model)
+        await b.forward().input_tokens(ids).execute()
+        b.truncate_working_page_tokens(1)
+        pending, want = [ids[-1]], []
+        for _ in range(steps):
+            kv = b.committed + 1
+            visible = torch.ones(kv, dtype=torch.bool)
+            visible[hide[0] : hide[1]] = False
+            fp = b.forward().input_tokens(pending).attention_mask(visible[None, :])
+            h = fp.sampler([0], Slot.greedy())
+            pending = [(await fp.execute())[h].token]
+            want.append(pending[0])
+        b.close()
+        plain = Context(model).fill_tokens(ids)
+        unmasked = (await plain.generate(max_tokens=steps, stop=None)).tokens
+        plain.close()
+        return got, want, unmasked
+
+    got, want, unmasked = run(main())
+    assert got == want
+    assert got != unmasked  # the hidden rows mattered
+
+
+def test_audio_at_an_anchor_equals_the_usual_span(gemma, samples):
+    """Gemma-4: an audio clip's placeholder rows placed by hand (its delimiters the caller's
+    tokens) are the rows and logits of ``append_audio``."""
+    from media import Audio
+
+    model = gemma
+    clip = Audio.from_path(samples / "audio" / "tone_16k_mono.wav")
+    head = model.tokenize("Listen:")
+
+    async def main():
+        prepared = model.prepare(clip)
+        usual = Context(model).fill_tokens(head)
+        usual.append_audio(prepared)
+        usual.fill_tokens(head)
+        want = await usual.flush(return_logits=True)
+        rows = [(r.token, r.pos) for r in usual._rows]
+        usual.close()
+        ctx = Context(model)
+        fp = ctx.forward().input_tokens(head + list(prepared.prefix_tokens))
+        placed = fp.input_audio(prepared)
+        fp.input_tokens(list(prepared.suffix_tokens) + head)
+        first = fp.sampler(range(fp.num_rows), Slot.raw_logits())
+        n = fp.num_rows
+        out = await fp.execute()
+        got = torch.stack([out[first + i].logits for i in range(n)])
+        mine = [(r.token, r.pos) for r in ctx._rows]
+        ctx.close()
+        return prepared, placed, want, got, rows, mine
+
+    prepared, placed, want, got, rows, mine = run(main())
+    assert placed.token_count == prepared.token_count
+    assert mine == rows
+    assert torch.equal(got, want)
