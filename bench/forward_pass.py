@@ -10,7 +10,9 @@ the scheduler), in three ways:
 * ``forward 1 slot``: a loop of ``ctx.forward().input_tokens([t]).sampler([0], greedy)``
   passes, as Pie's python-example inferlet drives one;
 * ``forward 4 slots``: the same with a dist (top 8), an entropy and the logprobs of 4
-  candidates on the row beside the token.
+  candidates on the row beside the token;
+* ``forward 1 slot, not staged``: the one-slot loop with ``pass_speculation(False)``: each
+  pass queued when ``execute`` is called, not staged while the pass before ran.
 
 The forward is the stand-in of ``bench/host_overhead.py`` (fixed hidden states and logits
 row: what is left is the host's share), and with ``--real`` also the whole tiny Qwen3-VL.
@@ -56,7 +58,7 @@ async def _engine(model, n: int, steps: int) -> None:
             c.close()
 
 
-async def _forward(model, n: int, steps: int, extra: bool) -> None:
+async def _forward(model, n: int, steps: int, extra: bool, staged: bool = True) -> None:
     from engine import Context, Slot
 
     contexts = [Context(model).user(PROMPT).cue() for _ in range(n)]
@@ -71,7 +73,7 @@ async def _forward(model, n: int, steps: int, extra: bool) -> None:
 
     async def one(ctx, token: int) -> None:
         for _ in range(steps):
-            fp = ctx.forward().input_tokens([token])
+            fp = ctx.forward().input_tokens([token]).pass_speculation(staged)
             h = fp.sampler([0], greedy)
             if extra:
                 for p in probes:
@@ -99,6 +101,7 @@ def measure(model, n: int, steps: int, rounds: int) -> dict[str, Any]:
     ways = {
         "engine": lambda k: _engine(model, n, k),
         "forward 1 slot": lambda k: _forward(model, n, k, False),
+        "forward 1 slot, not staged": lambda k: _forward(model, n, k, False, staged=False),
         "forward 4 slots": lambda k: _forward(model, n, k, True),
     }
     best: dict[str, list[float]] = {w: [float("inf"), float("inf")] for w in ways}
@@ -114,6 +117,7 @@ def measure(model, n: int, steps: int, rounds: int) -> dict[str, Any]:
             best[way][1] = min(best[way][1], wall)
     row: dict[str, Any] = {w: {"cpu_ms": round(c, 3), "wall_ms": round(wl, 3)} for w, (c, wl) in best.items()}
     row["one slot over engine (cpu)"] = round(best["forward 1 slot"][0] / best["engine"][0], 3)
+    row["staged over not staged (wall)"] = round(best["forward 1 slot"][1] / best["forward 1 slot, not staged"][1], 3)
     row["each extra slot over one slot (cpu)"] = round(
         (best["forward 4 slots"][0] / best["forward 1 slot"][0] - 1) / 3, 3
     )
@@ -139,7 +143,12 @@ def main() -> None:
         model = load(real, max(counts))
         result[label] = {}
         for n in counts:
+            c = model.counters
+            hits, misses = c.staged_hits, c.staged_misses
             result[label][str(n)] = row = measure(model, n, args.steps, args.rounds)
+            row["staged hit rate"] = round(
+                (c.staged_hits - hits) / max(1, c.staged_hits - hits + c.staged_misses - misses), 3
+            )
             print(f"{label}, {n:3d} contexts: {row}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -844,7 +844,7 @@ class Context(WorkingPages):
         elif not submitted.future.done():
             pages, pool = list(submitted.step.pages), self.model.pool
             pool.incref(pages)
-            submitted.future.add_done_callback(lambda _f: pool.decref(pages))
+            self.model.scheduler.on_worker_after_passes(lambda: pool.decref(pages))
 
     async def verify_draft(self, draft: Sequence[int], sampler: sampling.Sampler | None = None) -> list[int]:
         """One speculative step outside ``generate``: check ``draft`` (the tokens a caller

@@ -134,6 +134,12 @@ class Scheduler:
         done = loop.run_in_executor(self._executor, _nothing)
         done.add_done_callback(lambda _: callback())
 
+    def on_worker_after_passes(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the forward worker once every pass handed to it so far has ended,
+        whether or not an event loop is still running then (a staged pass of a context
+        closed just before ``asyncio.run`` returns: its pages are given back after it)."""
+        self._executor.submit(fn)
+
     async def pass_over(self) -> None:
         """Return once the forward worker has finished the pass it is running or has
         queued now: a cancelled step's pages can then be released (nothing writes them)."""
