@@ -14,6 +14,9 @@ PYTEST_ARGS ?=
 # holds per worker). The suite is mostly one busy Python thread at a time: two workers use
 # both cores of a 2-core CI runner. PYTEST_WORKERS=0 runs it in this process.
 PYTEST_WORKERS ?= 2
+# Tests marked slow (the whole GPU-check dry run) are left out; PYTEST_ARGS="-m slow" runs
+# them (a later -m wins), PYTEST_MARKS= runs everything.
+PYTEST_MARKS ?= not slow
 
 .PHONY: setup run test lint bench clean gpu-check
 
@@ -38,7 +41,7 @@ run: setup
 	$(BIN)/pie-media caption --max-tokens 12 $$S/images/photo_640x480.jpg $$S/images/rgba.png $$S/images/cmyk.jpg; true
 
 test: setup
-	@$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	@$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(if $(PYTEST_MARKS),-m "$(PYTEST_MARKS)") $(PYTEST_ARGS)
 
 lint: setup
 	@$(BIN)/ruff check .

@@ -144,11 +144,16 @@ class Caption:
         return {"record": [json.dumps(r, ensure_ascii=False) for r in run_sync(all_rows())]}
 
 
-def _init_ray(address: str | None, replicas: int) -> Any:
+def _init_ray(address: str | None, replicas: int, started: list[Any] | None = None) -> Any:
+    """Ray, started here unless this process already holds a session (then that one is used
+    as it is). A session started here is appended to ``started``: the caller shuts it down;
+    one it was handed stays up for whoever started it."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     if not ray.is_initialized():
+        if started is not None:
+            started.append(ray)
         if address:
             ray.init(address=address, log_to_driver=False)
         else:  # logical CPUs: the actors and the decode workers all get a slot on a small machine
@@ -194,8 +199,7 @@ def caption_with_ray(
         started: list[Any] = []
 
         def start_ray() -> Any:
-            started.append(_init_ray(address, replicas))
-            return started[0]
+            return _init_ray(address, replicas, started)
 
         try:
             return caption_shards_with_ray(
@@ -227,7 +231,8 @@ def caption_with_ray(
     t0 = time.perf_counter()
     if not todo and not remote:
         return summary
-    ray = _init_ray(address, replicas)
+    started: list[Any] = []
+    ray = _init_ray(address, replicas, started)
     try:
         parts = []
         if todo:
@@ -270,7 +275,8 @@ def caption_with_ray(
             finally:
                 writer.close()
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     summary.elapsed_s = time.perf_counter() - t0
     return summary
 

@@ -8,7 +8,7 @@
 # fp8 KV vs bf16 KV at 8 contexts x 8192 rows; both feed the aims table.
 # Every step's outcome and time go to OUT_DIR/gpu_check.json (the run goes on past a failed
 # step where it can); the benchmark writes OUT_DIR/gpu_bench.json and prints its table.
-#   bench/gpu/check.sh [--help] [--dry-run] [--quick] [--only tests,bench,profile,speech] [OUT_DIR]
+#   bench/gpu/check.sh [--help] [--dry-run [--light]] [--quick] [--only tests,bench,profile,speech] [OUT_DIR]
 #                                                  (default OUT_DIR: bench/results)
 # On the device tool:  run(command="bash bench/gpu/check.sh $OUT", carry=[".cache/gpu-wheels"])
 # (fetch_wheels.sh puts the converted Qwen vocabulary in that folder too). --quick, for a
@@ -21,20 +21,25 @@
 # $FLASHINFER_WORKSPACE_BASE (/tmp/pie-media-flashinfer-jit), so `--only tests` then `--only bench,profile,speech` split the work in two.
 # --dry-run (runs anywhere): checks the scripts parse, the wheels, that the project imports
 # and the CUDA tests collect, and runs the benchmark's CPU smoke mode; then stops where a GPU
-# is needed, and says so.
+# is needed, and says so. --dry-run --light (what tests/bench/test_gpu_check.py runs in the
+# suite): the same, less the run of the CUDA test files' CPU parts under the GPU image (they
+# are still collected under it; the suite itself runs them, without the image's gaps).
 set -uo pipefail
 DRY=0
+LIGHT=0
 QUICK=0
 ONLY="tests,bench,profile,speech"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
+    --light) LIGHT=1; shift ;;
     --quick) QUICK=1; ONLY="tests,bench"; shift ;;
     --only) ONLY="${2:?--only needs a list: tests,bench,profile,speech}"; shift 2 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed -E 's/^# ?//'; exit 0 ;;
     *) break ;;
   esac
 done
+[ "$LIGHT" = 1 ] && [ "$DRY" = 0 ] && { echo "--light goes with --dry-run" >&2; exit 2; }
 wants() { case ",$ONLY," in *",$1,"*) return 0 ;; esac; return 1; }
 for part in ${ONLY//,/ }; do
   case "$part" in tests|bench|profile|speech) ;; *) echo "unknown part '$part' (tests, bench, profile, speech)" >&2; exit 2 ;; esac
@@ -163,7 +168,7 @@ if [ "$DRY" = 1 ] || ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_a
   [ "$DRY" = 1 ] && RUN_AS_THERE=("$PY" -m bench.gpu.gpu_image)
   # The rehearsal steps are independent: they run side by side (each its own log, printed
   # in order after), which halves the dry run's time on two cores.
-  par_step "CPU parts of the CUDA test files, as the GPU image imports them" bash -o pipefail -c \
+  [ "$LIGHT" = 1 ] || par_step "CPU parts of the CUDA test files, as the GPU image imports them" bash -o pipefail -c \
     "'$PY' -m pytest -q -p no:cacheprovider ${GPU_IMAGE_PLUGIN[*]} tests/engine/test_cuda.py tests/engine/test_decode_graphs.py tests/engine/test_fp8_matmul.py tests/speech/test_speech_cuda.py tests/encoders/test_varlen_attention.py 2>&1 | tail -3"
   par_step "GPU bench smoke (CPU, tiny shapes)" "${RUN_AS_THERE[@]}" bench/gpu/bench.py --smoke --out "$OUT_DIR/gpu_bench_smoke.json"
   par_step "quantized weight layers smoke (CPU: int8/int4, fp8 row-wise on torch's CPU kernel)" \

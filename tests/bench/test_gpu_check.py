@@ -1,4 +1,8 @@
-"""The GPU check's dry run reaches the point where it needs a GPU, and says so, here."""
+"""The GPU check's dry run reaches the point where it needs a GPU, and says so, here.
+
+The suite runs ``--dry-run --light`` (every step but the rerun of the CUDA test files' CPU
+parts under the GPU image, which the suite runs itself); the whole ``--dry-run`` is marked
+``slow``: ``make test`` deselects it, ``make test PYTEST_ARGS="-m slow"`` runs it."""
 
 from __future__ import annotations
 
@@ -9,14 +13,16 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "check.sh"
 
 
-def _run(tmp_path: Path, wheels: Path) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, wheels: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GPU_WHEELS": str(wheels)}
     return subprocess.run(
-        ["bash", str(SCRIPT), "--dry-run", str(tmp_path / "out")],
+        ["bash", str(SCRIPT), "--dry-run", *flags, str(tmp_path / "out")],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -25,12 +31,15 @@ def _run(tmp_path: Path, wheels: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_dry_run_stops_where_a_gpu_is_needed(tmp_path):
+CUDA_FILES_STEP = "CPU parts of the CUDA test files, as the GPU image imports them"
+
+
+def _dry_run(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     with zipfile.ZipFile(wheels / "flashinfer_python-0.0.0-py3-none-any.whl", "w") as z:
         z.writestr("flashinfer/__init__.py", "")
-    done = _run(tmp_path, wheels)
+    done = _run(tmp_path, wheels, *flags)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tests/engine/test_cuda.py:" in done.stdout
     assert "STOP: a CUDA GPU is needed" in done.stdout
@@ -43,11 +52,35 @@ def test_dry_run_stops_where_a_gpu_is_needed(tmp_path):
     assert prof["passes"] >= 3 and prof["wall_ms_per_pass"] > 0
     assert any("linear" in op["op"] or "mm" in op["op"] for op in prof["top_host_ops"])
     steps = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert steps["outcome"] == "dry-run" and all(s["status"] == "ok" for s in steps["steps"])
+    assert steps["outcome"] == "dry-run" and all(s["status"] == "ok" for s in steps["steps"]), steps
     # the closing table of issue 33's aims, judged from what the smoke run measured
     aims = json.loads((tmp_path / "out" / "gpu_aims.json").read_text())
     assert any(a["aim"].startswith("decode at concurrency 1") and a["figure"] > 0 for a in aims)
     assert "captions at 32 >= 150 images/s" in done.stdout
+    return done, steps
+
+
+def test_dry_run_stops_where_a_gpu_is_needed(tmp_path):
+    _, steps = _dry_run(tmp_path, "--light")
+    names = [s["step"] for s in steps["steps"]]
+    assert "collect the CUDA tests" in names and CUDA_FILES_STEP not in names
+
+
+@pytest.mark.slow
+def test_whole_dry_run_runs_the_cuda_test_files_as_the_gpu_image_imports_them(tmp_path):
+    _, steps = _dry_run(tmp_path)
+    assert CUDA_FILES_STEP in [s["step"] for s in steps["steps"]]
+
+
+def test_light_goes_with_dry_run_only(tmp_path):
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--light", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--light goes with --dry-run" in done.stderr
 
 
 def test_a_machine_without_the_qwen_vocabulary_is_refused_before_anything_runs(tmp_path):

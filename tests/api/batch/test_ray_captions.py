@@ -1,12 +1,16 @@
 """The Ray Data pipeline on a local Ray (2 engine actors, tiny model) writes the same
 records as the single-process job, errors included; a rerun skips what is done. A Ray
-worker SIGKILLed mid-shard costs nothing: the shard is redone, nothing written twice."""
+worker SIGKILLed mid-shard costs nothing: the shard is redone, nothing written twice.
+
+One Ray session for the module (``ray_session``; starting one takes ~10 s), which
+``caption_with_ray`` uses as it finds it and leaves up."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,7 +38,27 @@ def _records(path: Path) -> dict[str, dict]:
     return out
 
 
-def test_ray_pipeline_equals_single_process_job(tmp_path: Path, samples: Path) -> None:
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Ray for the module, with ``_kill_hook`` installed in every worker; yields the kill's
+    marker file. The hook fires only on WebDataset sample ``k4`` (the shards test's), once."""
+    import ray
+
+    marker = tmp_path_factory.mktemp("ray-kill") / "killed.pid"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": _kill_hook(str(marker), "k4")},
+    )
+    try:
+        yield marker
+    finally:
+        ray.shutdown()
+
+
+def test_ray_pipeline_equals_single_process_job(tmp_path: Path, samples: Path, ray_session: Path) -> None:
     from api.batch.job import run_caption_job
     from api.batch.ray_runner import caption_with_ray
     from api.model_ref import load_model
@@ -112,7 +136,9 @@ def _kill_hook(marker: str, marker_key: str):
     return install
 
 
-def test_ray_shards_equal_single_process_and_resume_without_duplicates(tmp_path: Path, samples: Path) -> None:
+def test_ray_shards_equal_single_process_and_resume_without_duplicates(
+    tmp_path: Path, samples: Path, ray_session: Path
+) -> None:
     """WebDataset tars through ray.data.read_webdataset, a Parquet file with a key column
     through ray.data.read_parquet, a tar cut off mid-member through the package's own
     reader: the records equal the single-process job's. The output already holds a killed
@@ -121,7 +147,7 @@ def test_ray_shards_equal_single_process_and_resume_without_duplicates(tmp_path:
 
     On top of that, the run's engine worker is SIGKILLed mid-shard: Ray Data fuses
     ``Map(prepare_wds_row)->MapBatches(CaptionItems)`` into the engine actor's tasks, and
-    the actor's process kills itself (a ``worker_process_setup_hook`` of this test's Ray
+    the actor's process kills itself (a ``worker_process_setup_hook`` of the module's Ray
     session, ``_kill_hook``) when it reaches sample ``k4`` of shard ``b``, the batch
     (of two) after ``k3``'s. Ray restarts the actor and runs the lost task again: the
     records are still complete and once each."""
@@ -170,19 +196,11 @@ def test_ray_shards_equal_single_process_and_resume_without_duplicates(tmp_path:
 
     from api.batch.ray_runner import _init_ray
 
-    marker = tmp_path / "killed.pid"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"worker_process_setup_hook": _kill_hook(str(marker), "k4")},
-    )
-    try:
-        assert _init_ray(None, 1) is ray  # caption_with_ray takes this session (and shuts it down)
-        summary = caption_with_ray(inputs, out, model="tiny", max_tokens=8, replicas=1, batch_size=2)
-    finally:
-        ray.shutdown()
+    marker = ray_session
+    started: list = []
+    assert _init_ray(None, 1, started) is ray and not started  # caption_with_ray takes this session
+    summary = caption_with_ray(inputs, out, model="tiny", max_tokens=8, replicas=1, batch_size=2)
+    assert ray.is_initialized()  # and leaves it up for whoever started it
     pid = int(marker.read_text())  # the kill happened, and its process is gone
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     got = [json.loads(line) for line in out.read_text().splitlines()]
