@@ -142,7 +142,7 @@ class ForwardPass:
         self._logit_mask: Sequence[int] | torch.Tensor | None = None
         self._adapter: tuple[Adapter, float] | None = None
         self._output_spec = False
-        self._speculate = True
+        self._speculate: bool | None = None  # None: as the scheduler's overlap (on with CUDA)
         self._executed = False
 
     # -- facts ------------------------------------------------------------------------------
@@ -193,9 +193,11 @@ class ForwardPass:
         return self
 
     def pass_speculation(self, flag: bool = True) -> ForwardPass:
-        """Whether the runtime may stage the pass after this one (on by default): a greedy
-        one-token pass submits its successor, fed the token it draws, while it runs; the
-        next ``execute`` that is exactly that pass then skips the queue (``Context._run_pass``)."""
+        """Whether the runtime may stage the pass after this one: a greedy one-token pass
+        submits its successor, fed the token it draws, while it runs; the next ``execute``
+        that is exactly that pass then skips the queue (``Context._run_pass``). Unset, it
+        follows the scheduler's overlap (on with CUDA; off on the CPU, where the two
+        threads share one GIL: bench/forward_pass.py measured staging 1.6x slower there)."""
         self._speculate = bool(flag)
         return self
 
@@ -360,7 +362,8 @@ class ForwardPass:
             out_rows=(len(self._inputs) - 1,),
             hidden_rows=(),
             sample=sample,
-            stage=self._speculate and not slot.seed,
+            stage=(ctx.model.scheduler.overlap if self._speculate is None else self._speculate)
+            and not slot.seed,
         )
         if sampled is None:  # the pass could not draw it: as any slot (raises its error)
             assert logits is not None

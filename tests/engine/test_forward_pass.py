@@ -593,7 +593,7 @@ def test_a_closed_context_with_a_staged_pass_gives_its_pages_back(qwen):
     async def main():
         free = model.pool.available()
         ctx = Context(model)
-        fp = ctx.forward().input_tokens(ids)
+        fp = ctx.forward().input_tokens(ids).pass_speculation(True)
         fp.sampler([len(ids) - 1], Slot.greedy())
         await fp.execute()
         assert ctx._staged is not None
