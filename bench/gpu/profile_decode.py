@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -290,4 +291,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # The profiler (kineto), started on the forward worker's thread, can leave a joinable
+    # std::thread behind, and at interpreter teardown libstdc++ then aborts the process
+    # ("terminate called without an active exception", seen in the dry run on a busy 2-core
+    # machine) after everything is written. Everything is written: leave without teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
