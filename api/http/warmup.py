@@ -19,6 +19,12 @@ path, resized by each model), JPEG, WAV, MP3 and H.264 MP4 (~0.8 s in all). The 
 awaits it before the registry says ready. A sample that cannot be made or read here (no
 PyAV, no encoder for it) is skipped with a log line: its kind then fails or succeeds on a
 request exactly as it would have.
+
+It then waits for the engine's CPU sampling kernel (:func:`wait_for_sampler`), which
+compiles on a thread of its own from model load: ~0.5 s from numba's cache, done by now
+at every start but the first after ``engine/sampling_kernel_jit.py`` changes (a clean
+clone), where it compiles for 7-15 s. Not waiting made that first start's ``/ready``
+come early and its first sampled request wait the rest (~10 s) instead.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import numpy as np
 
 from media import MediaLimits, open_media
 
-__all__ = ["SAMPLES", "warm_uploads"]
+__all__ = ["SAMPLES", "wait_for_sampler", "warm_uploads"]
 
 log = logging.getLogger("pie_media.http.warmup")
 
@@ -119,7 +125,8 @@ def warm_uploads(
     samples: dict[str, Callable[[], bytes]] = SAMPLES,
 ) -> dict[str, float]:
     """Run each sample through ``open_media(data, limits)`` and ``token_counts(media)`` (the
-    upload route's steps); returns the seconds each took (absent: skipped, logged)."""
+    upload route's steps); returns the seconds each took (absent: skipped, logged). Then
+    waits for the sampling kernel (:func:`wait_for_sampler`): ``/ready`` comes after both."""
     took: dict[str, float] = {}
     for name, make in samples.items():
         start = time.perf_counter()
@@ -135,4 +142,17 @@ def warm_uploads(
             continue
         took[name] = time.perf_counter() - start
     log.info("warm-up: uploads' paths ran in %s", ", ".join(f"{k} {v:.2f} s" for k, v in took.items()))
+    wait_for_sampler()
     return took
+
+
+def wait_for_sampler() -> float:
+    """Wait for the CPU sampling kernel's warm-up thread (``engine.sampling_kernel``; none
+    where no model runs on the CPU); returns the seconds waited."""
+    from engine import sampling_kernel
+
+    start = time.perf_counter()
+    sampling_kernel.wait_warm()
+    waited = time.perf_counter() - start
+    log.info("warm-up: waited %.2f s for the sampling kernel", waited)
+    return waited

@@ -16,7 +16,11 @@ What "exact" is checked against:
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -261,3 +265,58 @@ def test_a_batch_equals_its_rows_sampled_alone() -> None:
     assert together.tolist() == alone
     assert [i for i in range(n) if together[i] < 0] == [3, 8]
     assert all(torch.isfinite(rows[i, together[i]]) for i in range(n) if i not in (3, 8))
+
+
+def test_the_kernels_constants_are_the_modules() -> None:
+    """The compiled code reads its own copies (``engine/sampling_kernel_jit.py``, the file
+    numba's cache is stamped with); they must be the ones the module documents."""
+    from engine import sampling_kernel_jit
+
+    assert (sampling_kernel_jit.BINS, sampling_kernel_jit.WIDEST) == (
+        sampling_kernel.BINS,
+        sampling_kernel.WIDEST,
+    )
+
+
+_NEW_PROCESS = """
+import json, time
+from engine import sampling_kernel
+start = time.perf_counter()
+sampling_kernel.warm_in_background()
+assert sampling_kernel.wait_warm(300)
+kernels = sampling_kernel._get()
+print(json.dumps({
+    "seconds": time.perf_counter() - start,
+    "hits": sum(sum(k.stats.cache_hits.values()) for k in kernels.values()),
+    "misses": sum(sum(k.stats.cache_misses.values()) for k in kernels.values()),
+}))
+"""
+
+
+def _cache_files() -> dict[str, int]:
+    """The kernels' files in numba's cache directory: name -> mtime (ns)."""
+    directory = Path(sampling_kernel._get()["batch"].stats.cache_path)
+    return {p.name: p.stat().st_mtime_ns for p in directory.glob("sampling_kernel_jit.*")}
+
+
+def test_a_new_process_loads_the_kernels_from_numbas_cache() -> None:
+    """Kernels defined inside a function (as they were) missed numba's disk cache in every
+    process: a closure holding another jitted function pickles it with a fresh uuid, which
+    is part of the cache key. So each start compiled again (7-15 s here) and added 11 files
+    to the cache. Module-level kernels load: after this process's warm-up, a new process
+    warming as a server does compiles nothing (numba's own hit/miss counts) and writes no
+    file (~8 s here, mostly torch's import)."""
+    sampling_kernel._warm()  # this process's compile (or load) saves what the cache lacks
+    before = _cache_files()
+    assert before
+    run = subprocess.run(
+        [sys.executable, "-c", _NEW_PROCESS],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["misses"] == 0 and got["hits"] >= 2, got
+    assert _cache_files() == before
