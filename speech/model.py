@@ -39,12 +39,16 @@ decoder. Id 0 (the eos code) is a valid Mimi code and is NOT suppressed: the sto
 Trained checkpoints never emit the specials, so this changes nothing for them.
 
 Capacity (``speech.admission``): a request runs with the pages it can ever need promised, and, with
-``realtime_safety`` set (a server's default), only if the frame time measured at the resulting batch
-size (``speech.frame_timing``: every pass of frame steps is timed; ``load`` seeds the table with a
-short warm-up) keeps every stream at or above real time; ``max_streams`` is an optional cap
-("auto": none).
-``admit(wait=False)`` refuses past any bound (HTTP 429), the blocking calls wait. Each stream's
-real-time margin (audio seconds per wall second) is kept by ``pace`` for /metrics.
+``realtime_safety`` set (a server's default), a streamed one only if the frame time measured at the
+resulting batch size (``speech.frame_timing``: every pass of frame steps is timed; ``load`` seeds the
+table with a short warm-up) keeps every stream at or above real time (a whole clip has no real-time
+deadline: it joins the batch unless streams are running that it would put behind); ``max_streams``
+is an optional cap ("auto": none).
+``admit(wait=False)`` refuses past any bound (HTTP 429); ``admit`` / ``admit_async`` with ``wait``
+queue (bounded, FIFO) up to a deadline (``capacity.wait_s``, 30 s), then refuse. ``speak`` /
+``speak_async`` / ``clip_async`` are whole clips (``streamed=False``), ``speak_stream`` /
+``stream_async`` streams. Each stream's real-time margin (audio seconds per wall second) is kept by
+``pace`` for /metrics.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ from engine import (
 from engine.load_quantization import check_quantization, quantize_at_load
 from engine.quantization import quantize_modules
 from media import InvalidRequestError, check_int, check_number
-from speech.admission import DEFAULT_WAIT_S, SpeechCapacity, SpeechTicket
+from speech.admission import SpeechCapacity, SpeechTicket
 from speech.backbone import CSM_ARCHITECTURE, CsmBackbone
 from speech.clip import Speech
 from speech.codecs import SPEECH_FORMATS
@@ -501,19 +505,61 @@ class SpeechModel:
             return await asyncio.to_thread(self.prepare, text, speaker, **options)
         return self.prepare(text, speaker, **options)
 
-    def admit(self, job: SpeechJob, *, wait: bool = True, timeout: float = DEFAULT_WAIT_S) -> SpeechTicket:
-        """A slot for ``job`` (``SpeechBusyError`` past capacity; ``wait``: block for one instead)."""
-        return self.capacity.admit(job.total_rows, wait=wait, timeout=timeout)
+    def admit(
+        self,
+        job: SpeechJob,
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+        streamed: bool = True,
+        queue_size: int | None = None,
+    ) -> SpeechTicket:
+        """A slot for ``job`` (``SpeechBusyError`` past capacity; ``wait``: block for one, up to
+        ``timeout`` seconds (default ``capacity.wait_s``), instead). ``streamed``: its audio is
+        played as it comes, so the real-time rule applies (``speech.admission``)."""
+        return self.capacity.admit(
+            job.total_rows,
+            wait=wait,
+            timeout=timeout,
+            streamed=streamed,
+            frames=job.max_frames,
+            queue_size=queue_size,
+        )
+
+    async def admit_async(
+        self,
+        job: SpeechJob,
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+        streamed: bool = True,
+        queue_size: int | None = None,
+    ) -> SpeechTicket:
+        """``admit`` from an event loop: a wait suspends only this task, and cancelling it
+        leaves the queue (no ticket outlives its waiter)."""
+        return await self.capacity.admit_async(
+            job.total_rows,
+            wait=wait,
+            timeout=timeout,
+            streamed=streamed,
+            frames=job.max_frames,
+            queue_size=queue_size,
+        )
 
     # -- generation -------------------------------------------------------------------------
-    async def frames_async(self, job: SpeechJob) -> AsyncIterator[list[int]]:
-        """The frames of an admitted ``job`` (``speech.frames``)."""
+    async def frames_async(
+        self, job: SpeechJob, ticket: SpeechTicket | None = None
+    ) -> AsyncIterator[list[int]]:
+        """The frames of an admitted ``job`` (``speech.frames``), counted on its ``ticket``
+        (the admission's Retry-After estimate reads the frame budget left)."""
         self.stats.requests += 1
         clock = self.pace.start()
         try:
             async with aclosing(run_frames(self, job)) as frames:  # closing this closes that: pages back
                 async for codes in frames:
                     clock.frame()
+                    if ticket is not None:
+                        ticket.frame()
                     yield codes
         finally:
             clock.close()
@@ -538,16 +584,17 @@ class SpeechModel:
 
     async def speak_async(self, text: str, speaker: Any = 0, *, wait: bool = True, **options: Any) -> Speech:
         """``speak`` inside an event loop: requests of the same loop share passes. ``wait=False``:
-        ``SpeechBusyError`` at once when the model is full."""
+        ``SpeechBusyError`` at once when the model is full; else it queues up to
+        ``capacity.wait_s`` (on this loop: cancelling the call leaves the queue)."""
         job = await self.prepare_async(text, speaker, **options)
-        ticket = self.admit(job, wait=False) if not wait else await asyncio.to_thread(self.admit, job)
+        ticket = await self.admit_async(job, wait=wait, streamed=False)
         return await self.clip_async(job, ticket)
 
     async def clip_async(self, job: SpeechJob, ticket: SpeechTicket) -> Speech:
         """The whole ``Speech`` of an admitted ``job`` (one Mimi decode, as ``speak``); the
         ticket is released when the frames are done."""
         with ticket:
-            codes = [c async for c in self.frames_async(job)]
+            codes = [c async for c in self.frames_async(job, ticket)]
         return await asyncio.get_running_loop().run_in_executor(
             self._decoder, self.clip, np.asarray(codes, dtype=np.int64)
         )
@@ -565,7 +612,7 @@ class SpeechModel:
         chunk_frames = check_int("chunk_frames", chunk_frames, min=1)
         context_frames = check_int("context_frames", context_frames, min=0)
         if ticket is None:
-            ticket = await asyncio.to_thread(self.admit, job)
+            ticket = await self.admit_async(job)
         # The frames run ahead of the Mimi decode (a task of their own), so this stream's
         # next backbone step joins the next pass while a chunk decodes; chunks still cover
         # exactly ``chunk_frames`` frames each. Decodes of every stream share one worker
@@ -573,7 +620,7 @@ class SpeechModel:
         codes: list[list[int]] = []
         more = asyncio.Event()
         ended = False
-        gen = self.frames_async(job)
+        gen = self.frames_async(job, ticket)
 
         async def produce() -> None:
             nonlocal ended
@@ -609,12 +656,14 @@ class SpeechModel:
                 done = end
             await producer  # a failed pass is the stream's error
         finally:
-            if not producer.done():
-                producer.cancel()
-            with suppress(asyncio.CancelledError, Exception):  # its error was raised above
-                await producer
-            await gen.aclose()
-            ticket.release()
+            try:
+                if not producer.done():
+                    producer.cancel()
+                with suppress(asyncio.CancelledError, Exception):  # its error was raised above
+                    await producer
+                await gen.aclose()
+            finally:  # however the closing goes (cancelled again, a generator still running)
+                ticket.release()
 
     def speak(
         self,
@@ -638,8 +687,8 @@ class SpeechModel:
             context=context,
             seed=seed,
         )
-        with self.admit(job):
-            codes = run_sync(_collect(self.frames_async(job)))
+        with self.admit(job, streamed=False) as ticket:
+            codes = run_sync(_collect(self.frames_async(job, ticket)))
         return self.clip(np.asarray(codes, dtype=np.int64))
 
     def speak_stream(

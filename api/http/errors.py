@@ -9,6 +9,8 @@ as a 500 ``server_error`` without its text.
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -106,6 +108,28 @@ def error_body(
     return {"error": body}
 
 
+RECENT_DURATIONS = 32
+"""How many finished requests' durations a Retry-After estimate looks at."""
+
+
+def retry_after_estimate(started: Iterable[float], durations: Iterable[float], now: float) -> int:
+    """Whole seconds (at least 1) until the first of the requests in flight (begun at
+    ``started``, monotonic) is likely to end and free its slot: the median of the recent
+    ``durations`` less each one's age. 1 when nothing has been measured yet, or when one has
+    already run past the median (it may end any moment)."""
+    recent = sorted(durations)
+    ages = [now - s for s in started]
+    if not recent or not ages:
+        return 1
+    typical = recent[len(recent) // 2]
+    return max(1, round(min(max(0.0, typical - age) for age in ages)))
+
+
+def retry_after_header(value: Any) -> str:
+    """A Retry-After value as the header's whole seconds (at least 1)."""
+    return str(max(1, math.ceil(float(value))))
+
+
 class ServiceError(PieMediaError):
     """An error of the service itself (unknown model, queue full, ...); ``code`` per instance."""
 
@@ -131,7 +155,7 @@ def error_response(err: PieMediaError, *, param: str | None = None) -> JSONRespo
     headers: dict[str, str] = {}
     retry_after = getattr(err, "retry_after", None)
     if retry_after is not None:
-        headers["Retry-After"] = str(retry_after)
+        headers["Retry-After"] = retry_after_header(retry_after)
     if status in _NO_RETRY or (400 <= status < 500 and status != 429):
         headers["x-should-retry"] = "false"
     if status == 413:  # else the server keeps reading (and discarding) the rest of a refused upload

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from api.http.errors import ServiceError
+from api.http.errors import ServiceError, retry_after_estimate
 from inferlets import InferletRun, InferletRuntime, RunLimits
 from inferlets.host.errors import InferletLimitError
 from media import cache_scope
@@ -89,10 +89,11 @@ class RunTable:
         ``queue_full`` (429) when ``max_running`` runs are going."""
         running = sum(1 for r in self._runs.values() if not r.done)
         if running >= self.max_running:
+            retry = self.retry_after()
             raise ServiceError(
                 "queue_full",
-                f"{running} inferlet runs are going, this server's maximum; retry after 1 s",
-                retry_after=1,
+                f"{running} inferlet runs are going, this server's maximum; retry after {retry} s",
+                retry_after=retry,
                 limit=self.max_running,
             )
         rec = RunRecord(
@@ -113,6 +114,16 @@ class RunTable:
         self._runs[rec.id] = rec
         self._trim()
         return rec
+
+    def retry_after(self) -> int:
+        """Seconds until a run likely ends: the median length of the finished runs kept, less
+        each running one's age (1 before any run has finished)."""
+        now = time.time()
+        started = [r.created_at for r in self._runs.values() if not r.done]
+        durations = [
+            r.finished_at - r.created_at for r in self._runs.values() if r.done and r.finished_at is not None
+        ]
+        return retry_after_estimate(started, durations, now)
 
     def _on_send(self, rec: RunRecord, text: str) -> None:
         if rec.done:

@@ -9,6 +9,11 @@ request is admitted while the key's token bucket is above zero, so one long answ
 overdraw it and the next requests wait until it refills. Each server process (replica)
 keeps its own buckets: N replicas let a key through up to N times its figures.
 
+Retry-After is when the refusal would end: a bucket's refill time for the rates, and for
+``max_concurrent_streams`` when the key's first request in flight is likely to end (the
+median of its recent requests' durations less that request's age; 1 s before any has
+ended).
+
 Written by hand: the limits hang on our own key identities and answer in OpenAI's shape,
 which a general ASGI rate-limit package would not know."""
 
@@ -17,12 +22,13 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.http.errors import ServiceError, error_response
+from api.http.errors import RECENT_DURATIONS, ServiceError, error_response, retry_after_estimate
 from api.http.tenancy import Caller
 
 GENERATION_PATHS = frozenset(
@@ -60,6 +66,10 @@ class _KeyState:
     requests: _Bucket | None = None
     tokens: _Bucket | None = None
     streams: int = 0
+    started: list[float] = field(default_factory=list)
+    """When each of its generation requests in flight began (monotonic)."""
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_DURATIONS))
+    """How long its recent generation requests held their stream slot."""
 
 
 class KeyLimiter:
@@ -82,12 +92,13 @@ class KeyLimiter:
                 setattr(st, attr, _Bucket(per_minute / 60.0, float(per_minute), float(per_minute)))
         return st
 
-    def admit(self, caller: Caller, *, generation: bool) -> None:
+    def admit(self, caller: Caller, *, generation: bool) -> float | None:
         """Count one request (and, for ``generation``, check the token bucket and take a
-        stream slot, given back by ``release``); ``ServiceError`` (429) past a limit."""
+        stream slot, given back by ``release``); ``ServiceError`` (429) past a limit. Returns
+        the slot's start (pass it to ``release``), None when no slot was taken."""
         lim = caller.limits
         if not lim.any:
-            return
+            return None
         now = time.monotonic()
         with self._lock:
             st = self._of(caller)
@@ -96,11 +107,12 @@ class KeyLimiter:
                 and lim.max_concurrent_streams is not None
                 and st.streams >= lim.max_concurrent_streams
             ):
+                retry = retry_after_estimate(st.started, st.durations, now)
                 raise ServiceError(
                     "too_many_streams",
                     f"the key {caller.name!r} has {st.streams} requests in flight, its limit; "
-                    "retry when one ends",
-                    retry_after=1,
+                    f"retry when one ends (likely in {retry} s)",
+                    retry_after=retry,
                     limit=lim.max_concurrent_streams,
                 )
             if st.requests is not None:
@@ -115,15 +127,23 @@ class KeyLimiter:
                 st.requests.level -= 1
             if generation:
                 st.streams += 1
+                st.started.append(now)
+                return now
+            return None
 
-    def release(self, caller: Caller) -> None:
-        """A generation request admitted by ``admit`` ended."""
+    def release(self, caller: Caller, started: float | None = None) -> None:
+        """A generation request admitted by ``admit`` (which returned ``started``) ended."""
         if caller.limits.max_concurrent_streams is None and not caller.limits.any:
             return
         with self._lock:
             st = self._state.get(caller.name)
             if st is not None and st.streams > 0:
                 st.streams -= 1
+                if started is None and st.started:
+                    started = st.started[0]  # unknown: the oldest (keeps the list in step)
+                if started is not None and started in st.started:
+                    st.started.remove(started)
+                    st.durations.append(time.monotonic() - started)
 
     def charge_tokens(self, caller: Caller, n: int) -> None:
         """A finished request spent ``n`` tokens (prompt + generated)."""
@@ -202,7 +222,7 @@ class KeyLimitsMiddleware:
             return
         generation = scope.get("method") == "POST" and path in GENERATION_PATHS
         try:
-            self.limiter.admit(caller, generation=generation)
+            started = self.limiter.admit(caller, generation=generation)
         except ServiceError as e:
             if self.on_limited is not None:
                 self.on_limited(caller, e.code)
@@ -212,4 +232,4 @@ class KeyLimitsMiddleware:
             await self.app(scope, receive, send)
         finally:
             if generation:
-                self.limiter.release(caller)
+                self.limiter.release(caller, started)

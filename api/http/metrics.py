@@ -179,14 +179,34 @@ class _SpeechFamilies:
         )
         self.refused = CounterMetricFamily(
             "pie_media_speech_refused",
-            "Speech streams refused (429, or a blocking wait that timed out), by the bound met: "
-            "pages, time (would fall behind real time), max_streams",
+            "Speech requests refused (429 at once, or when their wait's deadline passed), by the "
+            "bound met: pages, time (would fall behind real time), max_streams, queue (full)",
             labels=["model", "reason"],
         )
         self.waited = CounterMetricFamily(
             "pie_media_speech_waited",
-            "Blocking speech requests that waited for a slot, by the bound they first met",
+            "Speech requests that queued for admission, by the bound they first met",
             labels=["model", "reason"],
+        )
+        self.timed_out = CounterMetricFamily(
+            "pie_media_speech_wait_timeouts",
+            "Speech requests whose wait for admission passed its deadline (429), by the bound last met",
+            labels=["model", "reason"],
+        )
+        self.waiting = GaugeMetricFamily(
+            "pie_media_speech_waiting",
+            "Speech requests waiting for admission now (queued whole files, blocking callers)",
+            labels=["model"],
+        )
+        self.longest_wait = GaugeMetricFamily(
+            "pie_media_speech_longest_wait_seconds",
+            "How long the longest-waiting speech request has waited for admission so far (0: none waits)",
+            labels=["model"],
+        )
+        self.waits = HistogramMetricFamily(
+            "pie_media_speech_admission_wait_seconds",
+            "Seconds each queued speech request waited before it was admitted",
+            labels=["model"],
         )
         self.frame_seconds = GaugeMetricFamily(
             "pie_media_speech_frame_pass_seconds",
@@ -230,6 +250,12 @@ class _SpeechFamilies:
             self.refused.add_metric([name, reason], n)
         for reason, n in capacity.waited.items():
             self.waited.add_metric([name, reason], n)
+        for reason, n in capacity.timed_out.items():
+            self.timed_out.add_metric([name, reason], n)
+        waiting = capacity.waiting()
+        self.waiting.add_metric([name], waiting.count)
+        self.longest_wait.add_metric([name], waiting.longest_s)
+        self.waits.add_metric([name], _buckets(capacity.waits), sum_value=capacity.waits.total)
         timing = model.timing
         self.frame_audio.add_metric([name], timing.frame_seconds)
         for batch, (seconds, _) in timing.table().items():
@@ -243,11 +269,7 @@ class _SpeechFamilies:
             self.running.add_metric([name, "mean"], sum(margins) / len(margins))
         self.behind.add_metric([name], sum(m < 1.0 for m in margins))
         hist = model.pace.finished
-        cumulative, buckets = 0, []
-        for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-        self.finished.add_metric([name], buckets, sum_value=hist.total)
+        self.finished.add_metric([name], _buckets(hist), sum_value=hist.total)
 
     def families(self) -> tuple[Any, ...]:
         if not self.served:
@@ -257,6 +279,10 @@ class _SpeechFamilies:
             self.admitted,
             self.refused,
             self.waited,
+            self.timed_out,
+            self.waiting,
+            self.longest_wait,
+            self.waits,
             self.frame_seconds,
             self.frame_audio,
             self.predicted,
@@ -264,6 +290,15 @@ class _SpeechFamilies:
             self.behind,
             self.finished,
         )
+
+
+def _buckets(hist: Any) -> list[tuple[str, int]]:
+    """An ``engine.Histogram``'s cumulative buckets in Prometheus' shape."""
+    cumulative, buckets = 0, []
+    for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+    return buckets
 
 
 class ServiceMetrics:

@@ -8,14 +8,16 @@ the request ends, so a full model answers 429 at once instead of queueing withou
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.http.errors import ServiceError
+from api.http.errors import RECENT_DURATIONS, ServiceError, retry_after_estimate
 
-RETRY_AFTER_S = 1
+_admissions = itertools.count()
 
 
 @dataclass
@@ -33,6 +35,12 @@ class ServedModel:
     ``model`` is then the base model's engine, shared with it."""
     parent: str | None = None
     """The served name of the base model, for an adapter."""
+    _started: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
+    """When each admission in flight began (monotonic), by its number."""
+    _durations: deque[float] = field(
+        default_factory=lambda: deque(maxlen=RECENT_DURATIONS), repr=False, compare=False
+    )
+    """How long the recent admissions held their slot (the Retry-After estimate)."""
 
     @property
     def architecture(self) -> str:
@@ -43,17 +51,28 @@ class ServedModel:
         return sorted(getattr(self.model, "media_kinds", ()) or ())
 
     def admit(self) -> Admission:
-        """Take a slot or raise ``queue_full`` (429 with Retry-After)."""
+        """Take a slot or raise ``queue_full`` (429 with Retry-After: when the first request
+        in flight is likely to end, from how long recent ones held their slot)."""
+        now = time.monotonic()
         if self.in_flight >= self.max_concurrency:
+            retry = retry_after_estimate(self._started.values(), self._durations, now)
             raise ServiceError(
                 "queue_full",
                 f"model {self.name!r} is serving its maximum of {self.max_concurrency} concurrent "
-                f"requests; retry after {RETRY_AFTER_S} s",
-                retry_after=RETRY_AFTER_S,
+                f"requests; retry after {retry} s",
+                retry_after=retry,
                 limit=self.max_concurrency,
             )
         self.in_flight += 1
-        return Admission(self)
+        number = next(_admissions)
+        self._started[number] = now
+        return Admission(self, number)
+
+    def _ended(self, number: int) -> None:
+        self.in_flight -= 1
+        started = self._started.pop(number, None)
+        if started is not None:
+            self._durations.append(time.monotonic() - started)
 
     def __repr__(self) -> str:
         return f"ServedModel({self.name!r}, kind={self.kind!r}, in_flight={self.in_flight}/{self.max_concurrency})"
@@ -97,14 +116,15 @@ def add_lora_modules(registry: ModelRegistry, specs: list[str], max_concurrency:
 class Admission:
     """A held slot; ``release()`` is idempotent (a stream may end in several ways)."""
 
-    def __init__(self, served: ServedModel):
+    def __init__(self, served: ServedModel, number: int = -1):
         self.served = served
+        self.number = number
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self.served.in_flight -= 1
+            self.served._ended(self.number)
 
     def __enter__(self) -> Admission:
         return self

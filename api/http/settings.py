@@ -159,7 +159,16 @@ class ServeSettings(BaseSettings):
     speech_realtime_safety: Literal["off"] | Annotated[float, Field(gt=0, le=1)] | None = 0.8
     """A speech stream is admitted only if the frame time measured at the resulting batch
     size stays within this share of a frame's audio length (CSM: 80 ms), so every stream
-    keeps real time; "off" or None: no such rule."""
+    keeps real time; "off" or None: no such rule. It guards streamed answers: a whole file
+    (wav/flac, ``?stream=false``) joins the batch unless streams are running that it would
+    put behind real time."""
+    speech_queue_size: int = Field(default=32, ge=0)
+    """Whole-file speech requests that may wait for admission at once per CSM model (past
+    pages or ``max_speech_streams``); past it they get 429 at once (``speech.admission``).
+    0: no queue (refused at once). ``PIE_MEDIA_SPEECH_QUEUE_SIZE``."""
+    speech_queue_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """How long a speech request waits for admission; then 429 with Retry-After.
+    ``PIE_MEDIA_SPEECH_QUEUE_TIMEOUT_S``."""
     max_inferlet_bytes: int = Field(default=64 << 20, ge=1)
     """Size of one uploaded inferlet component."""
     inferlet_cache_dir: Path | None = None

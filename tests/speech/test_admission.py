@@ -117,7 +117,7 @@ def test_admission_refuses_the_stream_that_would_fall_behind_real_time() -> None
         cap.admit(8, wait=False)
     assert e.value.code == "queue_full" and e.value.retry_after == 1 and e.value.reason == "time"
     assert "real time" in e.value.message and "9" in e.value.message
-    assert cap.refused == {"max_streams": 0, "pages": 0, "time": 1} and cap.admitted == 8
+    assert cap.refused == {"max_streams": 0, "pages": 0, "time": 1, "queue": 0} and cap.admitted == 8
     assert cap.headroom().more == 0
     tickets.pop().release()
     tickets.append(cap.admit(8, wait=False))  # the freed slot fits again

@@ -2,12 +2,23 @@
 
 Speech requests run on the speech model's engine, on the server's event loop: every
 request's frames share batched passes with the others' (``speech.frames``). The request is
-checked and its prompt embedded off the loop, then admitted twice at once, before any byte
-is sent: the served model's concurrency limit and the speech model's own capacity (KV
-pages, the measured frame time at the new batch size against real time, an optional stream
-cap: ``speech.admission``); past either the answer is 429 with Retry-After, and the error's
-``reason`` names the bound ("pages", "time", "max_streams"). /metrics shows each stream's
-real-time margin and the admissions by bound (``api.http.metrics``).
+checked and its prompt embedded off the loop, then admitted twice, before any byte is sent:
+the served model's concurrency limit and the speech model's own capacity (KV pages, the
+measured frame time at the new batch size against real time, an optional stream cap:
+``speech.admission``).
+
+- A *streamed* answer (audio sent as it is generated) is admitted at once or refused at
+  once: 429 with an estimated Retry-After and the bound as ``reason`` ("pages", "time",
+  "max_streams"); the time rule keeps every running stream in real time.
+- A *whole* answer (``wav``/``flac``, or any format with ``?stream=false``: the file sent
+  once complete, with its length) has no real-time deadline: it joins the batch (the time
+  rule only guards streams that are running), and past pages or ``--max-speech-streams``
+  it waits in the model's FIFO queue (``speech_queue_size`` waiters, default 32) for up to
+  ``speech_queue_timeout_s`` (default 30 s), then 429 with Retry-After; a full queue is
+  429 ``reason: queue`` at once. A client that leaves while it waits leaves the queue.
+
+/metrics shows each stream's real-time margin, the admissions by bound, the requests
+waiting now and the longest wait (``api.http.metrics``).
 
 ``stream_format="audio"`` (the default) streams ``mp3``/``opus``/``aac``/``pcm`` in chunks as
 frames are generated (chunked transfer); ``wav`` and ``flac`` are sent whole, once the clip is
@@ -30,7 +41,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from api.http.deps import Service, get_service
@@ -69,8 +80,23 @@ async def voices() -> VoiceList:
         **Service.error_responses(400, 401, 404, 429),
     },
 )
-async def speak(body: SpeechRequest, request: Request, service: Service = Depends(get_service)) -> Response:
+async def speak(
+    body: SpeechRequest,
+    request: Request,
+    service: Service = Depends(get_service),
+    stream: bool | None = Query(
+        default=None,
+        description="false: send the whole file once complete, with its length (no real-time "
+        "deadline: past capacity the request waits in a bounded queue instead of a 429); "
+        "default: wav/flac whole, other formats streamed as generated",
+    ),
+) -> Response:
     started = time.perf_counter()
+    if stream is False and body.stream_format == "sse":
+        raise InvalidRequestError(
+            "stream=false sends the whole file; stream_format 'sse' sends events as audio comes",
+            param="stream",
+        )
     served = service.models.get(body.model, kind="speech")
     model = served.model
     speaker = _speaker(body.voice)
@@ -79,6 +105,8 @@ async def speak(body: SpeechRequest, request: Request, service: Service = Depend
         for t in body.context or []
     ]
     encoder = StreamEncoder(body.response_format, model.sample_rate)  # checks the format now
+    whole = body.stream_format != "sse" and (body.response_format in WHOLE_FORMATS or stream is False)
+    settings = service.settings
     admission = served.admit()
     try:
         # Checks (text length, voice, durations) run here, so they are a status, not a broken stream.
@@ -91,33 +119,50 @@ async def speak(body: SpeechRequest, request: Request, service: Service = Depend
             seed=body.seed,
             context=context,
         )
-        ticket = model.admit(job, wait=False)
+        if not whole:
+            ticket = model.admit(job, wait=False)  # a stream: at once, or 429 now
     except BaseException:
         admission.release()
         raise
-    if body.stream_format != "sse" and body.response_format in WHOLE_FORMATS:
-        # One Mimi decode of the whole clip (``speak``'s audio exactly), sent with its length.
+    if whole:
+        # Queued for admission if need be, then one Mimi decode of the whole clip (``speak``'s
+        # audio exactly), sent with its length; a client that leaves stops either.
+        async def admitted_clip() -> Any:
+            ticket = await model.admit_async(
+                job,
+                streamed=False,
+                timeout=settings.speech_queue_timeout_s,
+                queue_size=settings.speech_queue_size,
+            )
+            return await model.clip_async(job, ticket)  # releases the ticket when the frames end
+
         try:
-            clip = await cancel_on_disconnect(request, model.clip_async(job, ticket))
+            clip = await cancel_on_disconnect(request, admitted_clip())
             if len(clip.pcm):
                 service.metrics.speech_ttfa.labels(served.name).observe(time.perf_counter() - started)
         finally:
-            ticket.release()
             admission.release()
         pcm = clip.pcm if body.speed == 1.0 else await asyncio.to_thread(_stretch, clip.pcm, body.speed)
-        data = await asyncio.to_thread(encode_pcm, pcm, model.sample_rate, body.response_format)
+        if body.response_format in WHOLE_FORMATS:
+            data = await asyncio.to_thread(encode_pcm, pcm, model.sample_rate, body.response_format)
+        else:  # the bytes a stream of this format carries, at once
+            data = await asyncio.to_thread(_encode_whole, encoder, pcm)
         return Response(data, media_type=MEDIA_TYPES[body.response_format])
-    stream = _Timed(model.stream_async(job, ticket), admission, service, served.name, started)
-    chunks: AsyncIterator[np.ndarray] = stream
+    timed = _Timed(model.stream_async(job, ticket), admission, service, served.name, started)
+    chunks: AsyncIterator[np.ndarray] = timed
     if body.speed != 1.0:
-        chunks = _stretched(stream, body.speed)
+        chunks = _stretched(timed, body.speed)
     if body.stream_format == "sse":
         return StreamingResponse(
-            _sse(_encoded(chunks, encoder), job.text_tokens, stream, model),
+            _sse(_encoded(chunks, encoder), job.text_tokens, timed, model),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
     return StreamingResponse(_encoded(chunks, encoder), media_type=MEDIA_TYPES[body.response_format])
+
+
+def _encode_whole(encoder: StreamEncoder, pcm: np.ndarray) -> bytes:
+    return encoder.push(pcm) + encoder.close()
 
 
 def _speaker(voice: str | int) -> int:

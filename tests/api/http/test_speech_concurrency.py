@@ -138,7 +138,8 @@ def test_past_capacity_429_and_a_client_that_leaves_frees_its_pages(small_server
             assert _pages_used(small_server) > start
             refused = http.post("/v1/audio/speech", json=body)
             assert refused.status_code == 429, refused.text
-            assert refused.headers["retry-after"] == "1"
+            # when the first of the two streams' frame budgets (300 s of audio) runs out
+            assert int(refused.headers["retry-after"]) >= 2
             err = refused.json()["error"]
             assert err["code"] == "queue_full" and "2 streams" in err["message"]
         finally:

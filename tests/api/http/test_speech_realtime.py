@@ -67,7 +67,8 @@ def test_a_stream_that_would_fall_behind_real_time_gets_429(strict_server: Serve
             next(chunks)  # audio is flowing: the stream has two frames or more
             refused = http.post("/v1/audio/speech", json=BODY)
             assert refused.status_code == 429, refused.text
-            assert refused.headers["retry-after"] == "1"
+            # when the running stream's frame budget (300 s of audio) runs out, at its pace
+            assert int(refused.headers["retry-after"]) >= 2
             err = refused.json()["error"]
             assert err["code"] == "queue_full" and err["reason"] == "time"
             assert "real time" in err["message"]
