@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.http import pie_protocol
 from api.http.audit import configure_audit_log
 from api.http.deps import Service
 from api.http.errors import install_error_handlers
@@ -221,6 +222,7 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
     auth = [Depends(bearer_auth(keys, share_caches=settings.share_prefix_cache))] if keys.enabled else []
     app.include_router(health.router)
     app.include_router(ui.router)  # the static page; its API calls carry the key
+    app.include_router(pie_protocol.router)  # Pie's client at ws://HOST:PORT/ (signs in itself)
     for r in ROUTERS:
         app.include_router(r, dependencies=auth)
     app.add_middleware(_RequestMetrics, metrics=lambda: service.metrics)

@@ -10,9 +10,11 @@ cancelled with ``inferlet_limit``, nothing the server holds grows without bound.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,9 +25,14 @@ from inferlets.host.errors import InferletLimitError
 from media import cache_scope
 from media.errors import PieMediaError
 
+log = logging.getLogger("pie_media.http")
+
 Status = Literal["running", "succeeded", "failed", "cancelled"]
 END = object()
 """Put on a run's event queue after its last event."""
+Listener = Callable[[str, "str | None"], None]
+"""Called on the loop with each event of a run: ("send", text), ("stdout" / "stderr", text)
+when the run captures its output, then ("end", None)."""
 
 
 @dataclass
@@ -45,6 +52,11 @@ class RunRecord:
     control: InferletRun = field(default_factory=InferletRun, repr=False)
     events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue, repr=False)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    origin: str = "http"
+    """Who launched it: "http" (``/v1/inferlets``) or "pie" (Pie's protocol, api/http/pie_protocol)."""
+    listeners: list[Listener] = field(default_factory=list, repr=False)
+    """Beside ``events`` (which one HTTP stream consumes): every event, for each listener
+    (a Pie session attached to the run). Added and removed on the loop."""
 
     @property
     def done(self) -> bool:
@@ -69,6 +81,11 @@ class RunTable:
         """Runs not finished yet."""
         return sum(1 for r in self._runs.values() if not r.done)
 
+    def list(self, *, scope: str | None = None) -> list[RunRecord]:
+        """The runs kept (running and the newest finished), oldest first; ``scope``: a
+        tenant's only."""
+        return [r for r in self._runs.values() if scope is None or r.tenant == scope]
+
     def get(self, run_id: str, *, scope: str | None = None) -> RunRecord | None:
         """The run, or None (also when ``scope``, a tenant, did not launch it)."""
         rec = self._runs.get(run_id)
@@ -84,9 +101,16 @@ class RunTable:
         messages: list[str],
         close_input: bool,
         tenant: str = "",
+        *,
+        origin: str = "http",
+        capture_output: bool = False,
+        listeners: list[Listener] | None = None,
     ) -> RunRecord:
-        """Launch the run now (on the running loop); its events go to ``record.events``.
-        ``queue_full`` (429) when ``max_running`` runs are going."""
+        """Launch the run now (on the running loop); its events go to ``record.events`` and
+        to its ``listeners`` (given here, so none misses the first event).
+        ``capture_output``: the guest's WASI stdout / stderr too, to the listeners only
+        (counted with the sends against ``max_send_bytes``). ``queue_full`` (429) when
+        ``max_running`` runs are going."""
         running = sum(1 for r in self._runs.values() if not r.done)
         if running >= self.max_running:
             retry = self.retry_after()
@@ -97,7 +121,12 @@ class RunTable:
                 limit=self.max_running,
             )
         rec = RunRecord(
-            id=f"run-{uuid.uuid4().hex[:24]}", inferlet_id=inferlet_id, args=list(args), tenant=tenant
+            id=f"run-{uuid.uuid4().hex[:24]}",
+            inferlet_id=inferlet_id,
+            args=list(args),
+            tenant=tenant,
+            origin=origin,
+            listeners=list(listeners or ()),
         )
         rec.control.namespace = tenant
         rec.control.cache_scope = cache_scope()  # the request's (its tenant's) cache scope
@@ -110,7 +139,12 @@ class RunTable:
         def on_send(text: str) -> None:  # the run's worker thread
             loop.call_soon_threadsafe(self._on_send, rec, text)
 
-        rec.task = asyncio.create_task(self._drive(runtime, rec, wasm, limits, on_send))
+        def on_output(stream: str, text: str) -> None:  # the run's worker thread
+            loop.call_soon_threadsafe(self._on_send, rec, text, stream)
+
+        rec.task = asyncio.create_task(
+            self._drive(runtime, rec, wasm, limits, on_send, on_output if capture_output else None)
+        )
         self._runs[rec.id] = rec
         self._trim()
         return rec
@@ -125,7 +159,7 @@ class RunTable:
         ]
         return retry_after_estimate(started, durations, now)
 
-    def _on_send(self, rec: RunRecord, text: str) -> None:
+    def _on_send(self, rec: RunRecord, text: str, kind: str = "send") -> None:
         if rec.done:
             return
         rec.send_bytes += len(text.encode())
@@ -135,15 +169,32 @@ class RunTable:
                 f"the run sent more than {self.max_send_bytes} bytes", limit=self.max_send_bytes
             ).to_dict()
             return
-        rec.sends.append(text)
-        rec.events.put_nowait(("send", text))
+        if kind == "send":
+            rec.sends.append(text)
+            rec.events.put_nowait(("send", text))
+        self._tell(rec, kind, text)
+
+    @staticmethod
+    def _tell(rec: RunRecord, kind: str, value: str | None) -> None:
+        for listener in list(rec.listeners):
+            try:
+                listener(kind, value)
+            except Exception:  # noqa: BLE001 - one listener's fault is not the run's
+                log.exception("inferlet run %s: a listener failed", rec.id)
 
     async def _drive(
-        self, runtime: InferletRuntime, rec: RunRecord, wasm: Path, limits: RunLimits, on_send: Any
+        self,
+        runtime: InferletRuntime,
+        rec: RunRecord,
+        wasm: Path,
+        limits: RunLimits,
+        on_send: Any,
+        on_output: Any = None,
     ) -> None:
         try:
+            kw = {} if on_output is None else {"on_output": on_output}
             rec.result = await runtime.run_async(
-                wasm, rec.args, on_send=on_send, limits=limits, control=rec.control
+                wasm, rec.args, on_send=on_send, limits=limits, control=rec.control, **kw
             )
             rec.status = "succeeded"
         except PieMediaError as e:
@@ -160,6 +211,7 @@ class RunTable:
         finally:
             rec.finished_at = int(time.time())
             rec.events.put_nowait(("end", None))
+            self._tell(rec, "end", None)
 
     def cancel(self, rec: RunRecord) -> None:
         """Stop the run (it ends at the guest's next host call, or at once if it waits in

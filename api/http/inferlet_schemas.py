@@ -74,6 +74,8 @@ class RunObject(BaseModel):
     result: str | None = None
     error: RunError | None = None
     sends: list[str] = Field(default_factory=list)
+    origin: Literal["http", "pie"] = "http"
+    """Who launched it: ``/v1/inferlets`` or Pie's protocol (the WebSocket at ``/``)."""
 
     @classmethod
     def of(cls, rec: Any) -> RunObject:
@@ -87,4 +89,10 @@ class RunObject(BaseModel):
             result=rec.result,
             error=rec.error,
             sends=list(rec.sends),
+            origin=getattr(rec, "origin", "http"),
         )
+
+
+class RunList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[RunObject]

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -39,7 +40,9 @@ __all__ = [
     "ApiKeysRequiredError",
     "KeyEntry",
     "KeyFileError",
+    "PublicKey",
     "admin_only",
+    "load_public_key",
     "parse_key_file",
     "FetchedMedia",
     "LocalMediaPolicy",
@@ -88,6 +91,11 @@ class KeyEntry(BaseModel):
     tokens_per_minute: int | None = PydField(default=None, ge=1)
     max_concurrent_streams: int | None = PydField(default=None, ge=1)
     max_stored_bytes: int | None = PydField(default=None, ge=0)
+    public_key: str | None = PydField(default=None, min_length=16)
+    """For Pie's WebSocket protocol (``auth_identify`` with this entry's name, then
+    ``auth_prove``): an OpenSSH public key line (``ssh-ed25519 AAAA...``, ``ecdsa-sha2-nistp256``
+    / ``nistp384``, ``ssh-rsa`` of 2048 bits or more) or a PEM public key. An entry may
+    carry only this (no bearer key): it then signs in over that protocol only."""
 
     def caller(self) -> Caller:
         limits = KeyLimits(
@@ -98,10 +106,45 @@ class KeyEntry(BaseModel):
         )
         return Caller(name=self.name, tenant=self.tenant or self.name, role=self.role, limits=limits)
 
-    def digest(self) -> bytes:
+    def digest(self) -> bytes | None:
+        """The bearer key's digest; None for an entry with only a public key."""
+        if self.key is None and self.sha256 is None and self.public_key is not None:
+            return None
         if (self.key is None) == (self.sha256 is None):
-            raise ValueError(f"key {self.name!r}: give exactly one of 'key' and 'sha256'")
+            raise ValueError(
+                f"key {self.name!r}: give exactly one of 'key' and 'sha256' "
+                "(or only 'public_key', for Pie's protocol)"
+            )
         return _digest(self.key) if self.key is not None else bytes.fromhex(self.sha256 or "")
+
+
+PublicKey = Any
+"""A ``cryptography`` public key: Ed25519, ECDSA (P-256, P-384) or RSA (>= 2048 bits)."""
+
+
+def load_public_key(text: str) -> PublicKey:
+    """An OpenSSH public key line or a PEM public key, checked to be a kind Pie's client
+    signs with (``ValueError`` otherwise)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    data = text.strip().encode()
+    try:
+        if data.startswith(b"-----BEGIN"):
+            key = serialization.load_pem_public_key(data)
+        else:
+            key = serialization.load_ssh_public_key(data)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:
+        raise ValueError(f"not an OpenSSH or PEM public key: {e}") from None
+    if isinstance(key, ed25519.Ed25519PublicKey):
+        return key
+    if isinstance(key, rsa.RSAPublicKey):
+        if key.key_size < 2048:
+            raise ValueError(f"an RSA key of {key.key_size} bits; at least 2048")
+        return key
+    if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in ("secp256r1", "secp384r1"):
+        return key
+    raise ValueError(f"a {type(key).__name__}; Ed25519, ECDSA P-256/P-384 or RSA >= 2048 bits")
 
 
 def _plain_caller(digest: bytes, role: Role) -> Caller:
@@ -113,6 +156,14 @@ def parse_key_file(text: str, source: str = "key file") -> tuple[list[tuple[byte
     """(named entries as (digest, caller), plain keys) of a key file's text: TOML with
     ``[[keys]]`` tables, JSON (a list of entries or ``{"keys": [...]}``), or one key per
     line (blank lines and ``#`` comments skipped)."""
+    named, plain, _ = _parse_key_file(text, source)
+    return named, plain
+
+
+def _parse_key_file(
+    text: str, source: str
+) -> tuple[list[tuple[bytes, Caller]], list[str], dict[str, tuple[PublicKey, Caller]]]:
+    """``parse_key_file``'s answer and the named entries' public keys (name -> (key, caller))."""
     stripped = text.lstrip()
     raw: Any = None
     if stripped.startswith("{") or (stripped.startswith("[") and not stripped.startswith("[[")):
@@ -127,23 +178,28 @@ def parse_key_file(text: str, source: str = "key file") -> tuple[list[tuple[byte
             raise KeyFileError(f"{source}: not valid TOML: {e}") from None
     if raw is None:
         plain = [ln.strip() for ln in text.splitlines()]
-        return [], [k for k in plain if k and not k.startswith("#")]
+        return [], [k for k in plain if k and not k.startswith("#")], {}
     entries = raw.get("keys") if isinstance(raw, dict) else raw
     if not isinstance(entries, list):
         raise KeyFileError(f"{source}: expected a list of keys ([[keys]] tables or a JSON list)")
     named: list[tuple[bytes, Caller]] = []
+    public: dict[str, tuple[PublicKey, Caller]] = {}
     names: set[str] = set()
     for i, item in enumerate(entries):
         try:
             entry = KeyEntry.model_validate(item)
             digest = entry.digest()
+            key = load_public_key(entry.public_key) if entry.public_key is not None else None
         except (ValidationError, ValueError) as e:
             raise KeyFileError(f"{source}: entry {i + 1}: {e}") from None
         if entry.name in names:
             raise KeyFileError(f"{source}: the name {entry.name!r} is given twice; names must be unique")
         names.add(entry.name)
-        named.append((digest, entry.caller()))
-    return named, []
+        if digest is not None:
+            named.append((digest, entry.caller()))
+        if key is not None:
+            public[entry.name] = (key, entry.caller())
+    return named, [], public
 
 
 class ApiKeys:
@@ -157,10 +213,16 @@ class ApiKeys:
 
     def __init__(self, keys: Iterable[str] = (), *, named: Iterable[tuple[bytes, Caller]] = ()):
         self._entries: tuple[tuple[bytes, Caller], ...] = ()
+        self._public: dict[str, tuple[PublicKey, Caller]] = {}
         self._sources: tuple[Path | None, str, Mapping[str, str] | None] | None = None
         self._set(list(named), keys)
 
-    def _set(self, named: list[tuple[bytes, Caller]], plain: Iterable[str]) -> None:
+    def _set(
+        self,
+        named: list[tuple[bytes, Caller]],
+        plain: Iterable[str],
+        public: dict[str, tuple[PublicKey, Caller]] | None = None,
+    ) -> None:
         cleaned = sorted({k.strip() for k in plain if k and k.strip()})
         role: Role = "admin" if len(cleaned) == 1 and not named else "user"
         entries = list(named) + [(_digest(k), _plain_caller(_digest(k), role)) for k in cleaned]
@@ -170,6 +232,7 @@ class ApiKeys:
                 "the same key is given twice (as a key or its sha256); each key names one caller"
             )
         self._entries = tuple(entries)
+        self._public = dict(public or {})
 
     @classmethod
     def from_sources(
@@ -195,23 +258,29 @@ class ApiKeys:
         key_file, env_var, environ = self._sources
         named: list[tuple[bytes, Caller]] = []
         plain: list[str] = []
+        public: dict[str, tuple[PublicKey, Caller]] = {}
         if key_file is not None:
-            named, plain = parse_key_file(key_file.read_text(encoding="utf-8"), str(key_file))
+            named, plain, public = _parse_key_file(key_file.read_text(encoding="utf-8"), str(key_file))
         env = os.environ if environ is None else environ
         plain += [k for k in (env.get(env_var) or "").split(",") if k.strip()]
-        self._set(named, plain)
+        self._set(named, plain, public)
 
     @property
     def enabled(self) -> bool:
-        return bool(self._entries)
+        return bool(self._entries or self._public)
 
     @property
     def has_admin(self) -> bool:
-        return any(c.is_admin for _, c in self._entries)
+        return any(c.is_admin for c in self.callers)
 
     @property
     def callers(self) -> list[Caller]:
-        return [c for _, c in self._entries]
+        bearer = [c for _, c in self._entries]
+        return bearer + [c for _, c in self._public.values() if c not in bearer]
+
+    def public_key(self, name: str) -> tuple[PublicKey, Caller] | None:
+        """The public key a named entry carries (``public_key``) and its caller, or None."""
+        return self._public.get(name)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -190,6 +190,12 @@ class ServeSettings(BaseSettings):
     """``auto``: every chat answer's thought channel (the model family's markers,
     ``engine.reasoning``) comes back as ``reasoning_content``; ``none``: only for requests
     that turn thinking on (``chat_template_kwargs.enable_thinking``). vLLM's flag."""
+    pie_auth_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    """Pie's protocol (the WebSocket at ``/``): a connection that has not authenticated after
+    this long is closed."""
+    pie_upload_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    """Pie's protocol: an ``add_program`` upload with no chunk for this long is answered
+    ok:false (a stream that stopped part-way) and dropped."""
 
     @field_validator("speculative_config", mode="before")
     @classmethod

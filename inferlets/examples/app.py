@@ -6,6 +6,7 @@ Media bytes are passed base64-encoded as an argument, or as ``-`` to read them f
 launcher's first message (``receive``)."""
 
 import best_of
+import echo
 import hostile
 import media_qa
 import search
@@ -44,6 +45,7 @@ EXAMPLES = {
     "continue": session.resume,
     "forget": session.forget,
     "speculative": speculative.speculative,
+    "echo": echo.echo,
     **hostile.CASES,
 }
 

@@ -101,13 +101,14 @@ class ContextCalls:
     def flush(self, h: int) -> None:
         self.run.wait_for(self._ctx(h).flush())
 
-    def _stop(self, ctx: Context, stop: Any) -> stopping.StopCondition:
+    def _stop(self, ctx: Context, stop: Any, contexts: int = 1) -> stopping.StopCondition:
         n = int(field(stop, "max-tokens"))
         if not 1 <= n <= self.run.limits.max_tokens:
             raise InferletLimitError(
                 f"max-tokens must be 1..{self.run.limits.max_tokens}, got {n}",
                 limit=self.run.limits.max_tokens,
             )
+        n = self.run.token_allowance(contexts, n)
         cond: stopping.StopCondition = stopping.max_tokens(n)
         strings = [self.run.text(x, "a stop string") for x in field(stop, "stop-strings")]
         if strings:
@@ -132,7 +133,7 @@ class ContextCalls:
                 f"give one sampler or one per context ({len(ctxs)}), not {len(samplers)}"
             )
         parsed = [sampler_of(s) for s in samplers] * (len(ctxs) if len(samplers) == 1 else 1)
-        conds = [self._stop(c, stop) for c in ctxs]
+        conds = [self._stop(c, stop, len(ctxs)) for c in ctxs]
 
         async def one(ctx: Context, s: Sampler, seed: int | None, cond: stopping.StopCondition) -> Any:
             if seed is not None:
@@ -144,10 +145,9 @@ class ContextCalls:
                 *(one(c, s, seed, cond) for c, (s, seed), cond in zip(ctxs, parsed, conds, strict=True))
             )
 
-        return [
-            record(text=g.text, tokens=list(g.tokens), finish_reason=g.finish_reason)
-            for g in self.run.wait_for(go())
-        ]
+        done = self.run.wait_for(go())
+        self.run.spend_tokens(sum(len(g.tokens) for g in done))
+        return [record(text=g.text, tokens=list(g.tokens), finish_reason=g.finish_reason) for g in done]
 
     def decode_step(self, h: int, top_k: int) -> Any:
         return self.decode_step_all([h], top_k)[0]
@@ -156,11 +156,14 @@ class ContextCalls:
         ctxs = self._contexts(hs)
         if not 1 <= top_k <= MAX_DIST:
             raise InvalidRequestError(f"top-k must be 1..{MAX_DIST}, got {top_k}")
+        self.run.token_allowance(len(ctxs), 1)
 
         async def go() -> list[Any]:
             return await asyncio.gather(*(c.decode_step_dist(top_n=top_k) for c in ctxs))
 
-        return [record(ids=d.ids.tolist(), probs=d.probs.tolist()) for d in self.run.wait_for(go())]
+        dists = self.run.wait_for(go())
+        self.run.spend_tokens(len(ctxs))
+        return [record(ids=d.ids.tolist(), probs=d.probs.tolist()) for d in dists]
 
     def verify_draft(self, h: int, draft: list[int], sampler: Any) -> list[int]:
         ctx = self._ctx(h)
@@ -169,13 +172,16 @@ class ContextCalls:
                 f"a draft holds at most {MAX_DRAFT} tokens, got {len(draft)}", limit=MAX_DRAFT
             )
         s, seed = sampler_of(sampler)
+        self.run.token_allowance(1, 1)
 
         async def go() -> list[int]:
             if seed is not None:
                 ctx.reseed(seed)
             return await ctx.verify_draft(draft, s)
 
-        return self.run.wait_for(go())
+        accepted = self.run.wait_for(go())
+        self.run.spend_tokens(len(accepted))
+        return accepted
 
     def fork(self, h: int) -> int:
         return self.run.handles.add("context", self.run.on_loop(self._ctx(h).fork))

@@ -26,6 +26,7 @@ class RuntimeCalls:
         return list(self.run.args)
 
     def send(self, text: str) -> None:
+        self.run.flush_output()  # a partial line printed before it goes first
         self.run.on_send(self.run.text(text, "a sent message"))
 
     def receive(self) -> Any:

@@ -26,3 +26,9 @@ class RunLimits:
     thread, so its length is bounded up front)."""
     max_saves: int = 16
     """Names one run may save (saved contexts outlive the run and keep their pages)."""
+    token_budget: int | None = None
+    """Tokens the whole run may generate (None: no budget; Pie's ``token_budget``). A
+    generation is cut to what is left (its finish reason then "length"); a generation,
+    decode step or draft verification asked for once it is spent ends the run with
+    ``inferlet_limit``. Counted: each generated token, each context of a decode step, each
+    accepted draft token."""

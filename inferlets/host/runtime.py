@@ -4,6 +4,7 @@ hash, one Store per run with memory, fuel, epoch and handle limits."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextvars
 import functools
 import hashlib
@@ -166,14 +167,18 @@ class InferletRuntime:
         on_send: Callable[[str], None] | None = None,
         limits: RunLimits | None = None,
         control: InferletRun | None = None,
+        on_output: Callable[[str, str], None] | None = None,
     ) -> str:
         """Run to completion on this (worker) thread; engine calls go to ``loop`` (which
         must be running on another thread). Returns the guest's result or raises a typed
         InferletError; however the run ends, its contexts are closed (pages back to the
         pool) and its media and streams released. ``control``: messages for the guest's
-        ``receive`` and ``cancel()`` (see ``InferletRun``)."""
+        ``receive`` and ``cancel()`` (see ``InferletRun``). ``on_output(stream, text)``: what
+        the guest writes to WASI stdout / stderr ("stdout" / "stderr", decoded as UTF-8 on
+        this thread as it comes; without it both are dropped)."""
         _, comp = self.component(wasm)
         state = RunState(self.models, loop, args, on_send or (lambda s: None), limits or self.limits, control)
+        state.on_output = on_output
         # Host calls hop to the loop with this thread's context (call_soon_threadsafe copies
         # it): the run's contexts key their caches under its caller's scope.
         scope = control.cache_scope if control is not None else cache_scope()
@@ -181,11 +186,12 @@ class InferletRuntime:
             with use_cache_scope(scope):
                 return self._execute(state, comp)
         finally:
+            state.flush_output()
             state.close()
 
     async def run_async(self, wasm: bytes | Path, args: list[str], **kw: Any) -> str:
         """Run on a worker thread; host calls come back to the running loop. Keywords as
-        ``run`` (``on_send``, ``limits``, ``control``)."""
+        ``run`` (``on_send``, ``limits``, ``control``, ``on_output``)."""
         loop = asyncio.get_running_loop()
         call = functools.partial(self.run, wasm, args, loop=loop, **kw)
         # in the caller's context (run_in_executor would start from an empty one): its cache scope
@@ -215,7 +221,11 @@ class InferletRuntime:
         store.set_limits(memory_size=limits.memory_bytes)
         store.set_fuel(limits.fuel)
         store.set_epoch_deadline(max(1, int(limits.wall_s / EPOCH_TICK_S)))
-        store.set_wasi(wasmtime.WasiConfig())
+        wasi = wasmtime.WasiConfig()
+        if state.on_output is not None:
+            wasi.stdout_custom = _output_writer("stdout", state.output)
+            wasi.stderr_custom = _output_writer("stderr", state.output)
+        store.set_wasi(wasi)
         linker = self._linker(state)
         try:
             try:
@@ -251,6 +261,23 @@ class InferletRuntime:
         raise InferletFailedError(
             f"{code}: {message}", guest_code=code, guest_kind=getattr(out, "kind", "guest")
         )
+
+
+def _output_writer(stream: str, on_output: Callable[[str, str], None]) -> Callable[[bytes], None]:
+    """A WASI output callback: bytes decoded incrementally (a character split across writes
+    stays whole), handed on as text (to ``RunState.output``); a failing callback is logged,
+    never the guest's."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(data: bytes) -> None:
+        text = decoder.decode(data)
+        if text:
+            try:
+                on_output(stream, text)
+            except Exception:  # noqa: BLE001 - the guest's write succeeds whatever the listener does
+                log.exception("inferlet %s listener failed", stream)
+
+    return write
 
 
 def _trap_reason(msg: str) -> str:

@@ -47,6 +47,12 @@ class RunState:
         self.control = control
         self.deadline = time.monotonic() + limits.wall_s
         self.saves = 0
+        self.tokens_used = 0
+        """Tokens generated so far, against ``limits.token_budget``."""
+        self.on_output: Callable[[str, str], None] | None = None
+        """(stream, text) for what the guest writes to WASI stdout / stderr (None: dropped),
+        a line at a time (``output``)."""
+        self._pending_output: list[tuple[str, str]] = []
         self.ended_by: Exception | None = None
         """Set when a host call was refused for cancel or deadline: how the run ends, whatever
         the guest makes of that call's error."""
@@ -67,6 +73,53 @@ class RunState:
         if time.monotonic() >= self.deadline:
             self.ended_by = InferletTimeoutError(f"the run passed its {self.limits.wall_s} s deadline")
             raise self.ended_by
+
+    def token_allowance(self, contexts: int, asked: int) -> int:
+        """Tokens each of ``contexts`` may generate in one call that ``asked`` for: ``asked``
+        with no budget, else cut to an equal share of what is left. A spent budget ends the
+        run (``inferlet_limit``), as cancel and deadline do."""
+        budget = self.limits.token_budget
+        if budget is None:
+            return asked
+        share = (budget - self.tokens_used) // max(1, contexts)
+        if share < 1:
+            self.ended_by = InferletLimitError(
+                f"the run's token budget of {budget} is spent ({self.tokens_used} generated)",
+                limit=budget,
+                actual=self.tokens_used,
+            )
+            raise self.ended_by
+        return min(asked, share)
+
+    def spend_tokens(self, n: int) -> None:
+        self.tokens_used += n
+
+    # -- stdout / stderr ----------------------------------------------------------------------
+    def output(self, stream: str, text: str) -> None:
+        """What the guest wrote (its worker thread): whole lines go on at once, a line's start
+        waits for its end (a Python guest writes ``print``'s parts one by one), or for
+        ``flush_output``. Another stream's text first flushes what waits, keeping the order."""
+        if self.on_output is None:
+            return
+        if self._pending_output and self._pending_output[-1][0] != stream:
+            self.flush_output()
+        pending = self._pending_output[-1][1] if self._pending_output else ""
+        text = pending + text
+        self._pending_output.clear()
+        cut = text.rfind("\n") + 1
+        if cut:
+            self.on_output(stream, text[:cut])
+        if len(text) - cut > 1 << 16:  # a line that never ends goes on in pieces
+            self.on_output(stream, text[cut:])
+        elif cut < len(text):
+            self._pending_output.append((stream, text[cut:]))
+
+    def flush_output(self) -> None:
+        """Hand on a partial line (before a send, so the order holds, and at the run's end)."""
+        pending, self._pending_output = self._pending_output, []
+        for stream, text in pending:
+            if self.on_output is not None:
+                self.on_output(stream, text)
 
     def text(self, s: str, what: str = "text") -> str:
         n = len(s.encode("utf-8", "surrogatepass"))

@@ -4,7 +4,8 @@ they send, talk to them, cancel them.
 * ``POST /v1/inferlets``: the component as the raw body (``application/wasm``) or a
   multipart ``file``; stored by content hash (the same bytes give the same id) and
   compiled now, so a file that is not a component is a 400 here, not at launch.
-* ``GET /v1/inferlets``, ``GET|DELETE /v1/inferlets/{id}``.
+* ``GET /v1/inferlets``, ``GET|DELETE /v1/inferlets/{id}``; ``GET /v1/inferlets/runs``: the
+  runs kept, HTTP's and those launched over Pie's protocol (``api/http/pie_protocol``).
 * ``POST /v1/inferlets/{id}/runs`` ``{args, stream, background, messages, close_input,
   limits}``: whole (the run object when it ends; a failed run is its typed error),
   streamed (SSE: ``run``, then one ``send`` per message, then ``result`` or ``error``), or
@@ -38,6 +39,7 @@ from api.http.inferlet_schemas import (
     InferletList,
     InferletObject,
     MessageRequest,
+    RunList,
     RunObject,
     RunRequest,
 )
@@ -148,6 +150,13 @@ async def upload_inferlet(request: Request, service: Service = Depends(get_servi
         raise
     audit("create", "inferlet", record.id)
     return _object(record)
+
+
+@router.get("/v1/inferlets/runs", response_model=RunList, responses=Service.error_responses(401))
+async def list_runs(service: Service = Depends(get_service)) -> RunList:
+    """Every run the server keeps (running, and the newest finished), whoever launched it
+    (HTTP or Pie's protocol), oldest first; a user key sees its tenant's."""
+    return RunList(data=[RunObject.of(r) for r in service.inferlet_runs.list(scope=current_caller().scope)])
 
 
 @router.get("/v1/inferlets", response_model=InferletList, responses=Service.error_responses(401))
