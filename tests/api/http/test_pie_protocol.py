@@ -557,16 +557,55 @@ def test_key_file_public_keys() -> None:
 # -- the CLI --------------------------------------------------------------------------------
 
 
-def test_cli_ping_with_a_no_auth_config(open_server: Server, tmp_path: Path) -> None:
+def test_cli_ping_submit_and_abort_with_a_no_auth_config(
+    open_server: Server, installed: str, program_files, tmp_path: Path
+) -> None:
+    wasm, manifest = program_files
     cli = Path(sys.executable).parent / "pie-client"
     env = {**os.environ, "PIE_CLI_HOME": str(tmp_path)}
-    init = subprocess.run(
-        [cli, "config", "init", "--no-auth"], env=env, capture_output=True, text=True, timeout=T
-    )
-    assert init.returncode == 0, init.stderr
     port = open_server.url.rsplit(":", 1)[1]
-    r = subprocess.run([cli, "ping", "--port", port], env=env, capture_output=True, text=True, timeout=T)
+
+    def pie(*args: str) -> subprocess.CompletedProcess:
+        read, write = os.pipe()  # stdin left open: EOF would make `submit` detach
+        try:
+            return subprocess.run(
+                [cli, *args], env=env, stdin=read, capture_output=True, text=True, timeout=T
+            )
+        finally:
+            os.close(read), os.close(write)
+
+    init = pie("config", "init", "--no-auth")
+    assert init.returncode == 0, init.stderr
+    r = pie("ping", "--port", port)
     assert r.returncode == 0 and "alive" in r.stdout, r.stdout + r.stderr
+    r = pie(
+        "submit",
+        "--port",
+        port,
+        "--path",
+        str(wasm),
+        "--manifest",
+        str(manifest),
+        "--",
+        "chat",
+        QWEN,
+        "Hi.",
+        "4",
+    )
+    http = httpx.post(
+        f"{open_server.v1}/inferlets/{installed}/runs", json={"args": ["chat", QWEN, "Hi.", "4"]}, timeout=T
+    ).json()
+    assert r.returncode == 0 and f"Completed: {http['result']}" in r.stdout, r.stdout + r.stderr
+
+    async def launch() -> str:
+        async with PieClient(ws(open_server)) as c:
+            await c.authenticate("tester")
+            return (await c.launch_process(PROGRAM, ["echo"], capture_outputs=False)).process_id
+
+    pid = run(launch())
+    r = pie("abort", "--port", port, pid[:12])  # list_processes' strings: matched by prefix
+    assert r.returncode == 0 and pid in r.stdout, r.stdout + r.stderr
+    assert wait_status(open_server, pid)["status"] == "cancelled"
 
 
 def test_signatures_are_checked_over_the_raw_challenge(keypairs) -> None:
