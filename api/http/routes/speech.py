@@ -86,9 +86,10 @@ async def speak(
     service: Service = Depends(get_service),
     stream: bool | None = Query(
         default=None,
-        description="false: send the whole file once complete, with its length (no real-time "
-        "deadline: past capacity the request waits in a bounded queue instead of a 429); "
-        "default: wav/flac whole, other formats streamed as generated",
+        description="false: send the whole file once complete, with its length; true: a stream "
+        "that must keep real time (admitted at once or 429, as with stream_format given); "
+        "default: wav/flac whole, other formats sent as generated, admitted like whole files "
+        "(past capacity they wait in a bounded queue instead of a 429)",
     ),
 ) -> Response:
     started = time.perf_counter()
@@ -106,6 +107,13 @@ async def speak(
     ]
     encoder = StreamEncoder(body.response_format, model.sample_rate)  # checks the format now
     whole = body.stream_format != "sse" and (body.response_format in WHOLE_FORMATS or stream is False)
+    # Real time is promised (admitted at once or refused) only to a client that asks for a
+    # stream: SSE, ``stream_format`` given, or ``?stream=true``. A plain request still gets
+    # its audio as it is generated, but it joins the batch or waits in the queue like a
+    # whole answer: nothing says it plays as it arrives (an SDK that reads the whole body).
+    realtime = not whole and (
+        body.stream_format == "sse" or stream is True or "stream_format" in body.model_fields_set
+    )
     settings = service.settings
     admission = served.admit()
     try:
@@ -119,8 +127,18 @@ async def speak(
             seed=body.seed,
             context=context,
         )
-        if not whole:
+        if realtime:
             ticket = model.admit(job, wait=False)  # a stream: at once, or 429 now
+        elif not whole:  # queued if need be, as long as the client stays
+            ticket = await cancel_on_disconnect(
+                request,
+                model.admit_async(
+                    job,
+                    streamed=False,
+                    timeout=settings.speech_queue_timeout_s,
+                    queue_size=settings.speech_queue_size,
+                ),
+            )
     except BaseException:
         admission.release()
         raise

@@ -71,7 +71,11 @@ def _sample(metrics: dict[str, float], name: str, **labels: str) -> float | None
     return None
 
 
-def _body(text: str, voice: str = "alloy", seconds: float = 3.0, fmt: str = "pcm") -> dict:
+def _body(
+    text: str, voice: str = "alloy", seconds: float = 3.0, fmt: str = "pcm", stream: bool = False
+) -> dict:
+    """A speech request; ``stream``: the client asks for a stream (``stream_format`` given),
+    which is promised real time (admitted at once or refused)."""
     return {
         "model": CSM,
         "input": text,
@@ -79,6 +83,7 @@ def _body(text: str, voice: str = "alloy", seconds: float = 3.0, fmt: str = "pcm
         "response_format": fmt,
         "max_duration": seconds,
         "temperature": 0,
+        **({"stream_format": "audio"} if stream else {}),
     }
 
 
@@ -127,7 +132,11 @@ class _Stream:
         self.http.close()
 
 
-def test_eight_whole_answers_at_once_are_batched_and_equal_their_solo_clips(strict: Server) -> None:
+@pytest.mark.parametrize("params", [WHOLE, None], ids=["stream=false", "plain"])
+def test_eight_whole_answers_at_once_are_batched_and_equal_their_solo_clips(strict: Server, params) -> None:
+    """Eight non-streamed requests at once: sent whole (``?stream=false``) or plain (pcm as
+    it is generated, read whole by the client, as an SDK's ``create`` does): none needs real
+    time, so none is refused for it."""
     texts = [f"Voice number {i} says hello to the crowd." for i in range(8)]
     before = _settle(strict)
 
@@ -135,7 +144,7 @@ def test_eight_whole_answers_at_once_are_batched_and_equal_their_solo_clips(stri
         async with httpx.AsyncClient(base_url=strict.url, timeout=TIMEOUT) as c:
             return await asyncio.gather(
                 *(
-                    c.post("/v1/audio/speech", json=_body(t, v), params=WHOLE)
+                    c.post("/v1/audio/speech", json=_body(t, v), params=params)
                     for t, v in zip(texts, VOICES, strict=True)
                 )
             )
@@ -155,7 +164,8 @@ def test_eight_whole_answers_at_once_are_batched_and_equal_their_solo_clips(stri
     )
     with httpx.Client(base_url=strict.url, timeout=TIMEOUT) as http:
         for text, voice, got in zip(texts, VOICES, answers, strict=True):
-            assert int(got.headers["content-length"]) == len(got.content) > 0
+            if params is WHOLE:
+                assert int(got.headers["content-length"]) == len(got.content) > 0
             solo = http.post("/v1/audio/speech", json=_body(text, voice), params=WHOLE)
             assert solo.status_code == 200
             a, b = (np.frombuffer(x, "<i2").astype(np.int32) for x in (got.content, solo.content))
@@ -165,12 +175,12 @@ def test_eight_whole_answers_at_once_are_batched_and_equal_their_solo_clips(stri
 
 def test_a_stream_past_real_time_is_refused_and_a_whole_answer_waits_to_its_deadline(strict: Server) -> None:
     _settle(strict)
-    stream = _Stream(strict, _body("A long story.", seconds=300))
+    stream = _Stream(strict, _body("A long story.", seconds=300, stream=True))
     try:
         assert stream.status == 200
         assert stream.first.wait(30)  # audio is flowing
         with httpx.Client(base_url=strict.url, timeout=TIMEOUT) as http:
-            refused = http.post("/v1/audio/speech", json=_body("A second stream.", seconds=1))
+            refused = http.post("/v1/audio/speech", json=_body("A second stream.", seconds=1, stream=True))
             assert refused.status_code == 429, refused.text
             err = refused.json()["error"]
             assert err["code"] == "queue_full" and err["reason"] == "time" and "real time" in err["message"]
@@ -243,7 +253,7 @@ def _retry_after_and_real_wait(server: Server) -> tuple[int, float, int, float]:
             assert time.monotonic() < deadline and hold.is_alive()
             time.sleep(0.1)
         time.sleep(0.5)  # its frames are running: their pace is measured
-        probe = _body("Hi.", seconds=0.2)
+        probe = _body("Hi.", seconds=0.2, stream=True)
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
             refused = http.post("/v1/audio/speech", json=probe)
             told_at = time.monotonic()
@@ -282,7 +292,7 @@ def test_retry_after_is_the_real_wait_within_a_second(strict: Server) -> None:
 def test_a_saturating_burst_beside_chat_is_answered_or_refused_within_the_bound(strict: Server) -> None:
     before = _settle(strict)
     bound = QUEUE_TIMEOUT_S + 20  # the deadline, plus a whole clip's frames and decode on a busy CPU
-    stream = _Stream(strict, _body("The stream that saturates.", seconds=4))
+    stream = _Stream(strict, _body("The stream that saturates.", seconds=4, stream=True))
     assert stream.status == 200 and stream.first.wait(30)
 
     async def burst() -> list[tuple[str, int | None, float, httpx.Response | None]]:
@@ -303,7 +313,7 @@ def test_a_saturating_burst_beside_chat_is_answered_or_refused_within_the_bound(
                 body = _body(f"Whole answer {i}.", VOICES[i % 8], seconds=1, fmt=fmt)
                 calls.append(timed("whole", c.post("/v1/audio/speech", json=body, params=WHOLE)))
             for i in range(4):
-                body = _body(f"Stream {i}.", VOICES[i], seconds=1)
+                body = _body(f"Stream {i}.", VOICES[i], seconds=1, stream=True)
                 calls.append(timed("stream", c.post("/v1/audio/speech", json=body)))
             for i in range(3):
                 body = _body(f"Gives up {i}.", VOICES[i], seconds=1)
@@ -354,7 +364,7 @@ def test_a_saturating_burst_beside_chat_is_answered_or_refused_within_the_bound(
     with httpx.Client(base_url=strict.url, timeout=TIMEOUT) as http:
         ok = http.post("/v1/audio/speech", json=_body("Still here.", seconds=0.5), params=WHOLE)
         assert ok.status_code == 200 and len(ok.content) > 0
-        ok = http.post("/v1/audio/speech", json=_body("Still streaming.", seconds=0.5))
+        ok = http.post("/v1/audio/speech", json=_body("Still streaming.", seconds=0.5, stream=True))
         assert ok.status_code == 200 and len(ok.content) > 0
         chat = {"model": CHAT, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}
         assert http.post("/v1/chat/completions", json=chat).status_code == 200

@@ -124,6 +124,7 @@ def test_past_capacity_429_and_a_client_that_leaves_frees_its_pages(small_server
         "voice": "alloy",
         "response_format": "pcm",
         "max_duration": 300,
+        "stream_format": "audio",  # streams: admitted at once or refused, never queued
     }
     start = _pages_used(small_server)
     with httpx.Client(base_url=small_server.url, timeout=60) as http:

@@ -23,6 +23,7 @@ BODY = {
     "voice": "alloy",
     "response_format": "pcm",
     "max_duration": 300,
+    "stream_format": "audio",  # a stream: real time is promised, so past it the answer is 429
 }
 
 
