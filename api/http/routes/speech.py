@@ -7,9 +7,11 @@ the served model's concurrency limit and the speech model's own capacity (KV pag
 measured frame time at the new batch size against real time, an optional stream cap:
 ``speech.admission``).
 
-- A *streamed* answer (audio sent as it is generated) is admitted at once or refused at
-  once: 429 with an estimated Retry-After and the bound as ``reason`` ("pages", "time",
-  "max_streams"); the time rule keeps every running stream in real time.
+- A *stream* the client asked for (SSE, ``stream_format`` given, ``?stream=true``: real
+  time promised) is admitted at once or refused at once: 429 with an estimated Retry-After
+  and the bound as ``reason`` ("pages", "time", "max_streams"); the time rule keeps every
+  running stream in real time. A plain request of a streamable format (no such ask: most
+  clients read the body whole) is sent as generated but admitted like a whole answer.
 - A *whole* answer (``wav``/``flac``, or any format with ``?stream=false``: the file sent
   once complete, with its length) has no real-time deadline: it joins the batch (the time
   rule only guards streams that are running), and past pages or ``--max-speech-streams``
