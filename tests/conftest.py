@@ -10,6 +10,45 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def _generous_http_timeouts() -> None:
+    """Every httpx call and client the tests make waits up to ``HTTP_TIMEOUT`` unless it says
+    otherwise. httpx's default (5 s) turned a slow first request on a loaded 2-core runner
+    into a red suite (a ReadTimeout in a test that passes alone in seconds); a test that
+    means a short wait (a client that gives up) passes its own ``timeout``."""
+    import functools
+
+    import httpx
+
+    for name in ("request", "get", "post", "put", "patch", "delete", "head", "options", "stream"):
+        fn = getattr(httpx, name)
+
+        @functools.wraps(fn)
+        def call(*args, _fn=fn, **kwargs):
+            kwargs.setdefault("timeout", HTTP_TIMEOUT)
+            return _fn(*args, **kwargs)
+
+        setattr(httpx, name, call)
+    for cls in (httpx.Client, httpx.AsyncClient):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def construct(self, *args, _init=init, **kwargs):
+            kwargs.setdefault("timeout", HTTP_TIMEOUT)
+            _init(self, *args, **kwargs)
+
+        cls.__init__ = construct
+
+
+HTTP_TIMEOUT = None  # set below, once httpx is importable
+try:
+    import httpx as _httpx
+
+    HTTP_TIMEOUT = _httpx.Timeout(120.0, connect=15.0)
+    _generous_http_timeouts()
+except ImportError:  # the suite's lower rooms run without the HTTP extras
+    pass
+
+
 @pytest.fixture(scope="session")
 def samples() -> Path:
     """Root of the generated sample media: images/, audio/, video/, hostile/."""
