@@ -64,6 +64,12 @@ class _EngineCollector(Collector):
             "reached the host (with the overlap on CUDA; PIE_MEDIA_DEVICE_FEED)",
             labels=["model"],
         )
+        staged = CounterMetricFamily(
+            "pie_media_engine_staged_passes",
+            "Hand-built passes (inferlets' forward passes) staged while the pass before ran: "
+            "hit (the next execute was that pass and skipped the queue) or miss (dropped)",
+            labels=["model", "result"],
+        )
         engine_tokens = CounterMetricFamily(
             "pie_media_engine_tokens", "Tokens the engine computed, by kind", labels=["model", "kind"]
         )
@@ -101,12 +107,14 @@ class _EngineCollector(Collector):
             steps.add_metric([served.name], m.steps)
             overlapped.add_metric([served.name], m.overlapped_passes)
             fed.add_metric([served.name], m.device_fed_passes)
+            staged.add_metric([served.name, "hit"], m.staged_hits)
+            staged.add_metric([served.name, "miss"], m.staged_misses)
             engine_tokens.add_metric([served.name, "prompt"], m.prompt_tokens)
             engine_tokens.add_metric([served.name, "generated"], m.generated_tokens)
             drafts.add_metric([served.name, "proposed"], m.drafted_tokens)
             drafts.add_metric([served.name, "accepted"], m.accepted_draft_tokens)
         yield from (in_flight, capacity, pages, contexts, kv_rows, cache, cache_bytes, passes, steps)
-        yield from (engine_tokens, drafts, overlapped, fed)
+        yield from (engine_tokens, drafts, overlapped, fed, staged)
         yield from speech.families()
 
 

@@ -677,3 +677,28 @@ def test_audio_at_an_anchor_equals_the_usual_span(gemma, samples):
     assert placed.token_count == prepared.token_count
     assert mine == rows
     assert torch.equal(got, want)
+
+
+def test_staged_hits_and_misses_reach_metrics(qwen):
+    """/metrics' ``pie_media_engine_staged_passes_total{result=...}`` counts what the engine
+    counted (read at scrape time from the served model)."""
+    from prometheus_client import generate_latest
+
+    from api.http.metrics import ServiceMetrics
+    from api.http.registry import ModelRegistry, ServedModel
+
+    registry = ModelRegistry()
+    registry.add(ServedModel("tiny-qwen3-vl", qwen, "chat", 4))
+    metrics = ServiceMetrics(registry)
+
+    def scraped() -> dict[str, float]:
+        out = {}
+        for line in generate_latest(metrics.registry).decode().splitlines():
+            if line.startswith("pie_media_engine_staged_passes_total{"):
+                out[line.split('result="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    before = scraped()
+    run(_decode_by_hand(qwen, _ids(qwen), 6, speculate=True))
+    after = scraped()
+    assert after["hit"] - before["hit"] == 5 and after["miss"] - before["miss"] == 1
