@@ -144,7 +144,23 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N|auto",
         help="a cap on speech requests a CSM model generates at once, batched (default auto: its "
-        "KV pages and measured frame time decide); past it: 429",
+        "KV pages and measured frame time decide); past it: a stream 429, other requests wait in "
+        "the queue",
+    )
+    sv.add_argument(
+        "--speech-queue-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speech requests without a real-time promise that may wait for admission (default 32); "
+        "past it: 429 at once",
+    )
+    sv.add_argument(
+        "--speech-queue-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="how long such a request waits at most, then 429 with Retry-After (default 30)",
     )
     sv.add_argument(
         "--speech-realtime-safety",
@@ -242,6 +258,8 @@ def run_serve(args: argparse.Namespace) -> int:
         "cuda_graphs": args.cuda_graphs,
         "max_speech_streams": args.max_speech_streams,
         "speech_realtime_safety": getattr(args, "speech_realtime_safety", None),
+        "speech_queue_size": getattr(args, "speech_queue_size", None),
+        "speech_queue_timeout_s": getattr(args, "speech_queue_timeout", None),
         "max_model_len": args.max_model_len,
         "encoder_cache_mib": args.encoder_cache_mib,
         "prepared_cache_mib": args.prepared_cache_mib,
