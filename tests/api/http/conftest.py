@@ -102,6 +102,25 @@ def start_server(
     raise RuntimeError(f"server not ready in {READY_TIMEOUT_S} s:\n{server.log_text()[-4000:]}")
 
 
+def scrape_metrics(server: Server) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample on the server's /metrics."""
+    out = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=60).text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def metric_sample(metrics: dict[str, float], name: str, **labels: str) -> float | None:
+    """The value of the first sample of ``name`` carrying all of ``labels`` (None: none)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for key, value in metrics.items():
+        if key.startswith(name + "{") and all(w in key for w in want):
+            return value
+    return None
+
+
 def stop_server(server: Server) -> None:
     if server.process.poll() is None:
         os.killpg(server.process.pid, signal.SIGTERM)

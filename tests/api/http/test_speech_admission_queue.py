@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.api.http.conftest import Server, start_server, stop_server
+from tests.api.http.conftest import Server, metric_sample, scrape_metrics, start_server, stop_server
 
 CSM = "tiny-csm"
 CHAT = "tiny-qwen3-vl"
@@ -54,21 +54,8 @@ def strict(tmp_path_factory: pytest.TempPathFactory):
     stop_server(s)
 
 
-def _metrics(server: Server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{server.url}/metrics", timeout=60).text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def _sample(metrics: dict[str, float], name: str, **labels: str) -> float | None:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    for key, value in metrics.items():
-        if key.startswith(name + "{") and all(w in key for w in want):
-            return value
-    return None
+_metrics = scrape_metrics
+_sample = metric_sample
 
 
 def _body(

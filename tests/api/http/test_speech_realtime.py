@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.http.conftest import Server, start_server, stop_server
+from tests.api.http.conftest import Server, metric_sample, scrape_metrics, start_server, stop_server
 
 CSM = "tiny-csm"
 BODY = {
@@ -36,22 +36,8 @@ def strict_server(tmp_path_factory: pytest.TempPathFactory):
     stop_server(s)
 
 
-def _metrics(server: Server) -> dict[str, float]:
-    """``name{labels}`` -> value of every sample on /metrics."""
-    out = {}
-    for line in httpx.get(f"{server.url}/metrics", timeout=60).text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def _sample(metrics: dict[str, float], name: str, **labels: str) -> float | None:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    for key, value in metrics.items():
-        if key.startswith(name + "{") and all(w in key for w in want):
-            return value
-    return None
+_metrics = scrape_metrics
+_sample = metric_sample
 
 
 def test_a_stream_that_would_fall_behind_real_time_gets_429(strict_server: Server) -> None:
