@@ -279,7 +279,9 @@ def test_retry_after_is_the_real_wait_within_a_second(strict: Server) -> None:
 def test_a_saturating_burst_beside_chat_is_answered_or_refused_within_the_bound(strict: Server) -> None:
     before = _settle(strict)
     bound = QUEUE_TIMEOUT_S + 20  # the deadline, plus a whole clip's frames and decode on a busy CPU
-    stream = _Stream(strict, _body("The stream that saturates.", seconds=4, stream=True))
+    # long enough to run through the whole burst on any machine (closed after it): every
+    # whole answer would slow it, so they queue (4) or are refused at once (the rest)
+    stream = _Stream(strict, _body("The stream that saturates.", seconds=300, stream=True))
     assert stream.status == 200 and stream.first.wait(30)
 
     async def burst() -> list[tuple[str, int | None, float, httpx.Response | None]]:
@@ -319,6 +321,7 @@ def test_a_saturating_burst_beside_chat_is_answered_or_refused_within_the_bound(
 
     try:
         results = asyncio.run(burst())
+        assert not stream.done.is_set()  # it saturated the model all along
     finally:
         stream.close()
     for kind, status, took, r in results:
