@@ -729,16 +729,23 @@ class Context(WorkingPages):
                 self._unstage()
                 raise
         if last_only:
-            logits, hidden, sampled = result[None], None, step.sampled
-        else:
-            (logits, hidden), sampled = result, None
-        self._n = end
+            self._computed(rows, result)
+            return result.unsqueeze(0), None, step.sampled
+        logits, hidden = result
+        last = out_rows and out_rows[-1] == len(rows) - 1 and logits is not None
+        self._computed(rows, logits[-1] if last else None)
+        return logits, hidden, None
+
+    def _computed(self, rows: list[Row], last_logits: torch.Tensor | None) -> None:
+        """A hand-built pass's ``rows`` were computed: they join the context's K/V rows;
+        ``last_logits``: the last row's, if the pass returned them (a later ``generate``
+        samples from them)."""
+        self._n += len(rows)
         self._cursor = rows[-1].next_pos
-        self._last_logits = self._last_hidden = self._argmax_hint = self._sample_hint = None
-        if out_rows and out_rows[-1] == len(rows) - 1 and logits is not None:
-            self._last_logits = logits[-1]  # a later generate() samples from it
-        self._chat.record([r.token for r in rows if r.span is None])
-        return logits, hidden, sampled
+        self._last_hidden = self._argmax_hint = self._sample_hint = None
+        self._last_logits = last_logits
+        if self._chat.open_turn:
+            self._chat.record([r.token for r in rows if r.span is None])
 
     def _stage_after(self, step: StepInput, pos: int) -> None:
         """Submit the pass after ``step``'s (its row's token is what ``step`` draws), at the
@@ -821,12 +828,7 @@ class Context(WorkingPages):
             self._unstage()
             return await self._run_pass(rows, mask=None, out_rows=(0,), hidden_rows=(), sample=step.sample)
         self.model.counters.staged_hits += 1
-        self._n = start + 1
-        self._cursor = rows[0].next_pos
-        self._last_hidden = self._argmax_hint = self._sample_hint = None
-        self._last_logits = result
-        if self._chat.open_turn:
-            self._chat.record([rows[0].token])
+        self._computed(rows, result)
         return result.unsqueeze(0), None, step.sampled
 
     def _unstage(self) -> None:

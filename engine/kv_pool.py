@@ -284,14 +284,19 @@ class KVPool:
         """The hole page if one was made (``hole``), else None."""
         return self._hole
 
-    def hole(self) -> int:
+    def hole(self, donor: int | None = None) -> int:
         """The pool's hole page: zero K/V, held by the pool for good (made on first use, one
         page). A context's table points a released page's place at it (``PageTable.drop``):
         its rows are masked out of every later pass, and a gather that reads them anyway
-        reads finite zeros, never another context's rows."""
+        reads finite zeros, never another context's rows. ``donor``: a page its only holder
+        is giving up, made the hole instead of taking a fresh one (a full pool still drops)."""
         with self._lock:
             if self._hole is None:
-                (page,) = self.allocate(1)
+                if donor is not None and self._ref[donor] == 1 and donor not in self._key_of:
+                    page = donor
+                    self._ref[page] += 1  # the pool's own reference, beside the giver's place
+                else:
+                    (page,) = self.allocate(1)
                 for t in [*self.k, *self.v]:
                     if t is not None:
                         t[page].zero_()

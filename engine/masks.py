@@ -75,9 +75,10 @@ class HiddenRows:
 
     def __init__(self) -> None:
         self._hidden = torch.zeros(0, dtype=torch.bool)
+        self._any = False  # asked before every decode step: no tensor reduction there
 
     def __bool__(self) -> bool:
-        return bool(self._hidden.any())
+        return self._any
 
     def __len__(self) -> int:
         """How many rows are hidden."""
@@ -89,13 +90,16 @@ class HiddenRows:
             grown[: self._hidden.shape[0]] = self._hidden
             self._hidden = grown
         self._hidden[start:end] = hidden
+        self._any = bool(self._hidden.any())
 
     def truncate(self, rows: int) -> None:
-        self._hidden = self._hidden[:rows].clone()
+        if self._hidden.shape[0] > rows:
+            self._hidden = self._hidden[:rows].clone()
+            self._any = bool(self._hidden.any())
 
     def copy(self) -> HiddenRows:
         out = HiddenRows()
-        out._hidden = self._hidden.clone()
+        out._hidden, out._any = self._hidden.clone(), self._any
         return out
 
     def visible(self, kv_len: int) -> torch.Tensor:

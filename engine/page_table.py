@@ -286,8 +286,11 @@ class PageTable:
     def drop(self, indices: Sequence[int]) -> int:
         """Release the pages at ``indices`` (their rows masked out for good): each place then
         holds the pool's hole page. Returns how many pages went back."""
-        hole = self.pool.hole()
-        gone = [i for i in sorted(set(indices)) if self._pages[i] != hole]
+        places = sorted(set(indices))
+        hole = self.pool.hole_page
+        if hole is None:  # the first drop: one of these pages may become the hole itself
+            hole = self.pool.hole(self._pages[places[0]] if places else None)
+        gone = [i for i in places if self._pages[i] != hole]
         if not gone:
             return 0
         self.pool.decref([self._pages[i] for i in gone])

@@ -702,3 +702,29 @@ def test_staged_hits_and_misses_reach_metrics(qwen):
     run(_decode_by_hand(qwen, _ids(qwen), 6, speculate=True))
     after = scraped()
     assert after["hit"] - before["hit"] == 5 and after["miss"] - before["miss"] == 1
+
+
+def test_dropping_masked_pages_works_on_a_full_pool(tiny_dir):
+    """The first drop needs the pool's hole page: with no free page left, one of the pages
+    given up becomes it, so a full pool can still release pages (and then has some free)."""
+    from engine import Model
+
+    model = Model.load(tiny_dir(TINY_QWEN), kv_pages=4, device="cpu")
+    ps = model.pool.page_size
+
+    async def main():
+        ctx = Context(model)
+        await ctx.forward().input_tokens([5] * (4 * ps)).execute()
+        assert model.pool.available() == 0
+        ctx.mask_token_range(0, 3 * ps)
+        dropped = ctx.drop_masked_kv_pages()
+        free = model.pool.available()
+        fp = ctx.forward().input_tokens([6])
+        h = fp.sampler([0], Slot.greedy())
+        token = (await fp.execute())[h].token
+        ctx.close()
+        return dropped, free, token
+
+    dropped, free, token = run(main())
+    assert (dropped, free) == (2, 2)  # three pages hidden: one became the hole, two went back
+    assert 0 <= token < model.arch.vocab_size
