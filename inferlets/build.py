@@ -56,3 +56,90 @@ def build_component(src: Path, out_dir: Path, *, module: str = "app") -> Path:
         raise InferletError("componentize-py failed", stderr=r.stderr[-2000:])
     tmp.replace(out)
     return out
+
+
+# -- Pie 0.4 projects (Pie.toml + main.py, Pie's own SDK) -------------------------------------
+PIE_WIT_DIR = HERE / "pie_wit"
+PIE_ENTRY = HERE / "pie_guest" / "pie_entry.py"
+PIE_EXEC_WIT = """package pie:app;
+
+interface run {
+    run: func(input: string) -> result<string, string>;
+}
+
+world exec {
+    include pie:core/imports;
+    include pie:instruct/imports;
+    include pie:mcp/imports;
+    include pie:zo/imports;
+    import wasi:filesystem/types@0.2.4;
+    import wasi:filesystem/preopens@0.2.4;
+    import wasi:random/random@0.2.4;
+    import wasi:random/insecure@0.2.4;
+    import wasi:random/insecure-seed@0.2.4;
+    export run;
+}
+"""
+
+
+def pie_sdk_dir() -> Path:
+    """The installed ``inferlet`` package (Pie's Python SDK, 0.4.0), bundled into the guest."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("inferlet")
+    if spec is None or not spec.submodule_search_locations:
+        raise InferletError(
+            "Pie's Python SDK is not installed: pip install inferlet==0.4.0 (pie-media[inferlets])"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def build_pie_component(project: Path, out_dir: Path, *, extra: list[Path] = ()) -> Path:
+    """Build a Pie 0.4 project (``Pie.toml`` + ``main.py``) with stock componentize-py and the
+    installed ``inferlet`` SDK into a component of Pie's world (exports ``pie:app/run``).
+    Cached by the content of the project, the SDK, Pie's WIT and the entry module; a build
+    takes ~20 s and ~0.45 GB. ``extra``: more package folders to bundle (e.g. pie-media's
+    media helpers, ``inferlets/pie_sdk``)."""
+    import shutil
+    import tempfile
+
+    from inferlets.pie_project import PieManifest
+
+    project = Path(project)
+    manifest = PieManifest.load(project)
+    sdk = pie_sdk_dir()
+    entry_dir = PIE_ENTRY.parent
+    digest = _digest([project, sdk, PIE_WIT_DIR, entry_dir, *extra])
+    out = Path(out_dir) / f"{manifest.name}-{manifest.version}-{digest}.wasm"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pie-build-") as tmp:
+        work = Path(tmp)
+        app = work / "app"
+        app.mkdir()
+        for p in project.iterdir():
+            if p.suffix == ".py" and p.is_file():
+                shutil.copy2(p, app / p.name)
+            elif p.is_dir() and (p / "__init__.py").is_file() and p.name != "__pycache__":
+                shutil.copytree(p, app / p.name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(sdk, app / "inferlet", ignore=shutil.ignore_patterns("__pycache__", "bindings"))
+        for pkg in extra:
+            shutil.copytree(pkg, app / Path(pkg).name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(PIE_ENTRY, app / PIE_ENTRY.name)
+        wit = work / "wit"
+        shutil.copytree(PIE_WIT_DIR / "deps", wit / "deps")
+        (wit / "exec.wit").write_text(PIE_EXEC_WIT)
+        tool = Path(sys.executable).parent / "componentize-py"
+        tmp_out = out.with_suffix(f".{work.name}.tmp")
+        r = subprocess.run(
+            [str(tool), "-d", str(wit), "-w", "exec", "componentize", "-p", str(app), "pie_entry", "-o", str(tmp_out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if r.returncode != 0:
+            tmp_out.unlink(missing_ok=True)
+            raise InferletError("componentize-py failed on a Pie project", stderr=r.stderr[-3000:])
+        tmp_out.replace(out)
+    return out
