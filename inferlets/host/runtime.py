@@ -168,6 +168,7 @@ class InferletRuntime:
         limits: RunLimits | None = None,
         control: InferletRun | None = None,
         on_output: Callable[[str, str], None] | None = None,
+        on_file: Callable[[bytes], None] | None = None,
     ) -> str:
         """Run to completion on this (worker) thread; engine calls go to ``loop`` (which
         must be running on another thread). Returns the guest's result or raises a typed
@@ -175,10 +176,12 @@ class InferletRuntime:
         pool) and its media and streams released. ``control``: messages for the guest's
         ``receive`` and ``cancel()`` (see ``InferletRun``). ``on_output(stream, text)``: what
         the guest writes to WASI stdout / stderr ("stdout" / "stderr", decoded as UTF-8 on
-        this thread as it comes; without it both are dropped)."""
+        this thread as it comes; without it both are dropped). ``on_file(data)``: a file the
+        guest sends (Pie's ``session.send-file``; kept as ``state.on_file``, None: dropped)."""
         _, comp = self.component(wasm)
         state = RunState(self.models, loop, args, on_send or (lambda s: None), limits or self.limits, control)
         state.on_output = on_output
+        state.on_file = on_file
         # Host calls hop to the loop with this thread's context (call_soon_threadsafe copies
         # it): the run's contexts key their caches under its caller's scope.
         scope = control.cache_scope if control is not None else cache_scope()
@@ -191,7 +194,7 @@ class InferletRuntime:
 
     async def run_async(self, wasm: bytes | Path, args: list[str], **kw: Any) -> str:
         """Run on a worker thread; host calls come back to the running loop. Keywords as
-        ``run`` (``on_send``, ``limits``, ``control``, ``on_output``)."""
+        ``run`` (``on_send``, ``limits``, ``control``, ``on_output``, ``on_file``)."""
         loop = asyncio.get_running_loop()
         call = functools.partial(self.run, wasm, args, loop=loop, **kw)
         # in the caller's context (run_in_executor would start from an empty one): its cache scope
