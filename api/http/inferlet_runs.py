@@ -30,9 +30,10 @@ log = logging.getLogger("pie_media.http")
 Status = Literal["running", "succeeded", "failed", "cancelled"]
 END = object()
 """Put on a run's event queue after its last event."""
-Listener = Callable[[str, "str | None"], None]
+Listener = Callable[[str, "str | bytes | None"], None]
 """Called on the loop with each event of a run: ("send", text), ("stdout" / "stderr", text)
-when the run captures its output, then ("end", None)."""
+when the run captures its output, ("file", data) for each file the guest sends (Pie's
+``session.send-file``), then ("end", None)."""
 
 
 @dataclass
@@ -48,6 +49,9 @@ class RunRecord:
     error: dict[str, Any] | None = None
     sends: list[str] = field(default_factory=list)
     send_bytes: int = 0
+    """What it sent, wrote (captured) and sent as files, against the table's ``max_send_bytes``."""
+    files: int = 0
+    """Files the guest sent (handed to the listeners only, not kept)."""
     finished_at: int | None = None
     control: InferletRun = field(default_factory=InferletRun, repr=False)
     events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue, repr=False)
@@ -142,8 +146,11 @@ class RunTable:
         def on_output(stream: str, text: str) -> None:  # the run's worker thread
             loop.call_soon_threadsafe(self._on_send, rec, text, stream)
 
+        def on_file(data: bytes) -> None:  # the run's worker thread
+            loop.call_soon_threadsafe(self._on_file, rec, bytes(data))
+
         rec.task = asyncio.create_task(
-            self._drive(runtime, rec, wasm, limits, on_send, on_output if capture_output else None)
+            self._drive(runtime, rec, wasm, limits, on_send, on_output if capture_output else None, on_file)
         )
         self._runs[rec.id] = rec
         self._trim()
@@ -159,23 +166,35 @@ class RunTable:
         ]
         return retry_after_estimate(started, durations, now)
 
+    def _over_cap(self, rec: RunRecord, n: int) -> bool:
+        """Count ``n`` more bytes sent; past the cap the run is cancelled (True)."""
+        rec.send_bytes += n
+        if rec.send_bytes <= self.max_send_bytes:
+            return False
+        rec.control.cancel()
+        rec.error = InferletLimitError(
+            f"the run sent more than {self.max_send_bytes} bytes", limit=self.max_send_bytes
+        ).to_dict()
+        return True
+
     def _on_send(self, rec: RunRecord, text: str, kind: str = "send") -> None:
-        if rec.done:
-            return
-        rec.send_bytes += len(text.encode())
-        if rec.send_bytes > self.max_send_bytes:
-            rec.control.cancel()
-            rec.error = InferletLimitError(
-                f"the run sent more than {self.max_send_bytes} bytes", limit=self.max_send_bytes
-            ).to_dict()
+        if rec.done or self._over_cap(rec, len(text.encode())):
             return
         if kind == "send":
             rec.sends.append(text)
             rec.events.put_nowait(("send", text))
         self._tell(rec, kind, text)
 
+    def _on_file(self, rec: RunRecord, data: bytes) -> None:
+        """A file from the guest: to the listeners (a Pie session sends it as ``file``
+        messages), counted against the send cap."""
+        if rec.done or self._over_cap(rec, len(data)):
+            return
+        rec.files += 1
+        self._tell(rec, "file", data)
+
     @staticmethod
-    def _tell(rec: RunRecord, kind: str, value: str | None) -> None:
+    def _tell(rec: RunRecord, kind: str, value: str | bytes | None) -> None:
         for listener in list(rec.listeners):
             try:
                 listener(kind, value)
@@ -190,9 +209,10 @@ class RunTable:
         limits: RunLimits,
         on_send: Any,
         on_output: Any = None,
+        on_file: Any = None,
     ) -> None:
         try:
-            kw = {} if on_output is None else {"on_output": on_output}
+            kw = {k: v for k, v in (("on_output", on_output), ("on_file", on_file)) if v is not None}
             rec.result = await runtime.run_async(
                 wasm, rec.args, on_send=on_send, limits=limits, control=rec.control, **kw
             )

@@ -4,8 +4,10 @@ cancelled under ``/v1/inferlets/.../runs`` too, and a run launched over HTTP can
 attached to and terminated over the WebSocket. Process ids are the runs' ids.
 
 Events (PROTOCOL.md §6), from the run's listener: ``message`` (the guest's ``send``),
-``stdout`` / ``stderr`` (its WASI output), then ``return`` (its result) or ``error`` (the
-error's ``code: message``; ``Signal`` once terminated or cancelled). A process with no
+``stdout`` / ``stderr`` (its WASI output), ``file`` (bytes the guest sends with Pie's
+``session.send-file``; the session sends them as ``file`` chunks), then ``return`` (its
+result) or ``error`` (the error's ``code: message``; ``Signal`` once terminated or
+cancelled). A process with no
 session attached keeps its events (up to the run table's byte cap) for the first session
 that attaches. A session attached to a process gets its events as they come; a process
 launched with ``capture_outputs`` ends when the session that launched it goes away, one
@@ -30,8 +32,9 @@ from typing import Any
 
 from api.http.inferlet_runs import RunRecord, RunTable
 
-Sink = Callable[[str, str, str], None]
-"""(process id, event, value): how a session takes a process's events."""
+Sink = Callable[[str, str, "str | bytes"], None]
+"""(process id, event, value): how a session takes a process's events (a ``file``'s value
+is its bytes, every other event's a string)."""
 
 
 class LaunchError(ValueError):
@@ -79,7 +82,7 @@ def end_event(rec: RunRecord) -> tuple[str, str]:
     return "error", f"{error.get('code', 'inferlet_failed')}: {error.get('message', '')}"
 
 
-_EVENTS = {"send": "message", "stdout": "stdout", "stderr": "stderr"}
+_EVENTS = {"send": "message", "stdout": "stdout", "stderr": "stderr", "file": "file"}
 MAX_BACKLOG_BYTES = 4 << 20
 """What a process keeps for a session yet to attach; past it the oldest events go (its end stays)."""
 
@@ -92,25 +95,28 @@ class Process:
         self.sinks: list[Sink] = []
         self.keep = keep
         """Keep events while nobody is attached (not for ``run_processes``: only results count)."""
-        self.backlog: list[tuple[str, str]] = []
+        self.backlog: list[tuple[str, str | bytes]] = []
         self.backlog_bytes = 0
         self.launcher: Sink | None = None
         """The session that launched it with ``capture_outputs`` (it ends with that session)."""
         self.ended = False
         self.delivered = False
 
-    def on_event(self, kind: str, value: str | None) -> None:  # the run table's listener, on the loop
+    def on_event(self, kind: str, value: str | bytes | None) -> None:  # the run table's listener, on the loop
+        event: tuple[str, str | bytes]
         if kind == "end":
             assert self.rec is not None
             self.ended = True
             event = end_event(self.rec)
+        elif kind == "file":
+            event = ("file", value if isinstance(value, bytes) else b"")
         elif kind in _EVENTS:
             event = (_EVENTS[kind], value or "")
         else:
             return
         self._emit(event)
 
-    def _emit(self, event: tuple[str, str]) -> None:
+    def _emit(self, event: tuple[str, str | bytes]) -> None:
         assert self.rec is not None
         if not self.sinks:
             if self.keep or event[0] in ("return", "error"):
@@ -191,7 +197,7 @@ class ProcessHub:
         proc = self._procs.get(rec.id)
         if proc is None or proc.delivered:
             proc = Process(rec)
-            proc.backlog = [("message", s) for s in rec.sends]
+            proc.backlog = [("message", s) for s in rec.sends]  # (files not kept: gone)
             if rec.done:
                 proc.ended = True
                 proc.backlog.append(end_event(rec))

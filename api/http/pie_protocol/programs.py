@@ -124,93 +124,130 @@ class ProgramStore:
 
 @dataclass
 class Upload:
-    """One ``add_program`` upload in progress."""
+    """One chunked upload in progress: an ``add_program`` (keyed by its ``corr_id``) or a
+    ``transfer_file`` (keyed by ``(process_id, file_hash)``)."""
 
-    corr_id: Any
-    program_hash: str
-    manifest: str
-    force_overwrite: bool
+    key: Any
+    hash: str
+    """blake3 hex the whole upload must hash to (``program_hash`` / ``file_hash``)."""
     total_chunks: int
+    manifest: str = ""
+    force_overwrite: bool = False
     next_index: int = 0
     data: bytearray = field(default_factory=bytearray)
     last_chunk_at: float = field(default_factory=time.monotonic)
 
+    @property
+    def corr_id(self) -> Any:
+        return self.key
 
-def _int(msg: dict[str, Any], key: str) -> int:
+    @property
+    def program_hash(self) -> str:
+        return self.hash
+
+
+KINDS = {"add_program": "program_hash", "transfer_file": "file_hash"}
+"""The chunked message types and the field holding each one's blake3 hash."""
+
+
+def _int(msg: dict[str, Any], key: str, kind: str) -> int:
     v = msg.get(key)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ProgramError(f"add_program: {key} must be an integer, got {v!r}")
+        raise ProgramError(f"{kind}: {key} must be an integer, got {v!r}")
     return v
 
 
 class Uploads:
-    """One connection's uploads in progress, fed chunk by chunk (in the order they came)."""
+    """One connection's chunked uploads in progress (PROTOCOL.md §5), fed chunk by chunk in
+    the order they came: ``add_program`` (the default ``kind``) or ``transfer_file``. Both
+    are checked alike: chunk 0 first, then in order, ``total_chunks`` and the hash the same
+    in every chunk, the bytes under ``max_bytes``, their blake3 equal to the hash."""
 
-    def __init__(self, max_bytes: int, *, max_open: int = 8):
+    def __init__(self, max_bytes: int, *, max_open: int = 8, kind: str = "add_program"):
         self.max_bytes = max_bytes
         self.max_open = max_open
+        self.kind = kind
+        self.hash_field = KINDS[kind]
         self.open: dict[Any, Upload] = {}
-        self._failed: dict[Any, None] = {}  # corr_ids answered with an error: their later chunks are dropped
+        self._failed: dict[Any, None] = {}  # keys answered with an error: their later chunks are dropped
 
-    def failed(self, corr_id: Any) -> bool:
-        return corr_id in self._failed
+    def key_of(self, msg: dict[str, Any]) -> Any:
+        """What an upload's chunks share: the ``corr_id`` of an ``add_program``, the
+        ``(process_id, file_hash)`` of a ``transfer_file``."""
+        if self.kind == "add_program":
+            return msg.get("corr_id")
+        pid, digest = msg.get("process_id"), msg.get("file_hash")
+        return (
+            pid if isinstance(pid, str) else repr(pid),
+            digest.lower() if isinstance(digest, str) else repr(digest),
+        )
 
-    def fail(self, corr_id: Any) -> None:
-        self.open.pop(corr_id, None)
-        self._failed[corr_id] = None
+    def failed(self, key: Any) -> bool:
+        return key in self._failed
+
+    def fail(self, key: Any) -> None:
+        self.open.pop(key, None)
+        self._failed[key] = None
         while len(self._failed) > 64:
             self._failed.pop(next(iter(self._failed)))
 
     def chunk(self, msg: dict[str, Any]) -> Upload | None:
         """Take one chunk; the finished upload after its last chunk, else None.
         ``ProgramError`` (the upload is then dropped) for a chunk that breaks the rules."""
-        corr_id = msg.get("corr_id")
-        index, total = _int(msg, "chunk_index"), _int(msg, "total_chunks")
+        kind, hash_field = self.kind, self.hash_field
+        key = self.key_of(msg)
+        index, total = _int(msg, "chunk_index", kind), _int(msg, "total_chunks", kind)
         data = msg.get("chunk_data", b"")
         if not isinstance(data, bytes | bytearray):
-            raise ProgramError(f"add_program: chunk_data must be binary, got {type(data).__name__}")
-        up = self.open.get(corr_id)
+            raise ProgramError(f"{kind}: chunk_data must be binary, got {type(data).__name__}")
+        digest = msg.get(hash_field)
+        if not isinstance(digest, str) or not digest:
+            what = ".wasm" if kind == "add_program" else "file"
+            raise ProgramError(f"{kind}: {hash_field} (blake3 hex of the whole {what}) is required")
+        up = self.open.get(key)
         if up is None:
             if index != 0:
                 raise ProgramError(
-                    f"add_program: chunk {index} came first; an upload starts with chunk 0 and goes in order"
+                    f"{kind}: chunk {index} came first; an upload starts with chunk 0 and goes in order"
                 )
             if total < 1 or total > -(-self.max_bytes // (64 * 1024)) + 1:
-                raise ProgramError(f"add_program: total_chunks {total} is out of range for this server")
+                raise ProgramError(f"{kind}: total_chunks {total} is out of range for this server")
             if len(self.open) >= self.max_open:
-                raise ProgramError(
-                    f"add_program: {self.max_open} uploads are open on this connection already"
-                )
-            program_hash, manifest = msg.get("program_hash"), msg.get("manifest")
-            if not isinstance(program_hash, str) or not program_hash:
-                raise ProgramError("add_program: program_hash (blake3 hex of the whole .wasm) is required")
-            if not isinstance(manifest, str):
+                raise ProgramError(f"{kind}: {self.max_open} uploads are open on this connection already")
+            manifest = msg.get("manifest")
+            if kind == "add_program" and not isinstance(manifest, str):
                 raise ProgramError("add_program: manifest (the Pie.toml text) is required")
-            up = Upload(corr_id, program_hash.lower(), manifest, bool(msg.get("force_overwrite")), total)
-            self.open[corr_id] = up
+            up = Upload(
+                key,
+                digest.lower(),
+                total,
+                manifest=manifest if isinstance(manifest, str) else "",
+                force_overwrite=bool(msg.get("force_overwrite")),
+            )
+            self.open[key] = up
         elif index != up.next_index:
             raise ProgramError(
-                f"add_program: chunk {index} out of order (expected chunk {up.next_index} of {up.total_chunks})"
+                f"{kind}: chunk {index} out of order (expected chunk {up.next_index} of {up.total_chunks})"
             )
         if total != up.total_chunks:
             raise ProgramError(
-                f"add_program: total_chunks changed from {up.total_chunks} to {total} in chunk {index}"
+                f"{kind}: total_chunks changed from {up.total_chunks} to {total} in chunk {index}"
             )
-        if msg.get("program_hash", up.program_hash).lower() != up.program_hash:
-            raise ProgramError(f"add_program: program_hash changed in chunk {index}")
+        if digest.lower() != up.hash:
+            raise ProgramError(f"{kind}: {hash_field} changed in chunk {index}")
         if len(up.data) + len(data) > self.max_bytes:
-            raise ProgramError(f"add_program: the program is over this server's {self.max_bytes} bytes")
+            raise ProgramError(f"{kind}: the upload is over this server's {self.max_bytes} bytes")
         up.data += data
         up.next_index += 1
         up.last_chunk_at = time.monotonic()
         if up.next_index < up.total_chunks:
             return None
-        del self.open[corr_id]
-        digest = blake3_hex(bytes(up.data))
-        if digest != up.program_hash:
+        del self.open[key]
+        got = blake3_hex(bytes(up.data))
+        if got != up.hash:
             raise ProgramError(
-                f"add_program: program_hash mismatch: the {len(up.data)} bytes received hash to {digest}, "
-                f"the upload says {up.program_hash}"
+                f"{kind}: {hash_field} mismatch: the {len(up.data)} bytes received hash to {got}, "
+                f"the upload says {up.hash}"
             )
         return up
 
@@ -219,7 +256,7 @@ class Uploads:
         now = time.monotonic()
         gone = [u for u in self.open.values() if now - u.last_chunk_at > idle_s]
         for u in gone:
-            self.fail(u.corr_id)
+            self.fail(u.key)
         return gone
 
 

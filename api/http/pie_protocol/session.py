@@ -8,7 +8,22 @@ Requests are answered in the order their work ends; quick ones inline, those tha
 Before sign-in only ``auth_*`` messages are served; any other request is answered ok:false
 ("authenticate first"), never left without an answer, and a connection that has not signed
 in after ``auth_timeout_s`` is closed. A frame that is not a msgpack map with a ``type`` is
-dropped (logged at debug level), an unknown ``type`` answered ok:false naming it."""
+dropped (logged at debug level), an unknown ``type`` answered ok:false naming it.
+
+Messages without an answer (``signal_process``, ``transfer_file``, ``mcp_response``) that
+cannot be taken are dropped, except a ``transfer_file`` that breaks the chunk rules (order,
+hash, size, stalled) or names a process that has ended: the client gets a ``stderr`` event
+for that process, ``[pie-media] transfer_file ...: <why>``, and the process runs on.
+
+A connection runs at most ``MAX_LIVE_PROCESSES`` processes at once (launches past it are
+answered ok:false), each launch admitted by the key's limits (``api/http/key_limits.py``:
+one request, one stream slot held while the process runs, refused while its token bucket is
+empty); installs, launches and terminations leave audit lines (``via: "pie"``).
+
+``file`` messages for a process the client has no queue for yet are dropped by the client
+(unlike events, which it keeps), so a file a process sends before its launch or attach
+response has reached the client is held (with the events after it, in order) until
+``FILE_GRACE_S`` after that response."""
 
 from __future__ import annotations
 
@@ -25,11 +40,13 @@ from api.http.audit import audit
 from api.http.errors import ServiceError
 from api.http.pie_protocol import framing
 from api.http.pie_protocol.auth import Auth
+from api.http.pie_protocol.mcp_relay import RELAY, McpEndpoint
 from api.http.pie_protocol.processes import LaunchError, ProcessHub, args_of, budget_of
 from api.http.pie_protocol.programs import (
     ProgramError,
     ProgramStore,
     Uploads,
+    blake3_hex,
     check_name,
     install,
     split_ref,
@@ -40,9 +57,15 @@ from media.errors import PieMediaError
 log = logging.getLogger("pie_media.pie_protocol")
 
 AUTH_TYPES = frozenset({"auth_identify", "auth_prove", "auth_by_token"})
+MAX_LIVE_PROCESSES = 32
+"""Processes one connection may have running at once (its launches past it: ok:false)."""
+FILE_GRACE_S = 0.05
+"""How long after a launch / attach response a held ``file`` waits (see the docstring)."""
+DAEMONS = (
+    "launch_daemon: daemons need a component exporting wasi:http/incoming-handler; "
+    "this server does not serve them"
+)
 NOT_YET = {
-    "launch_daemon": "launch_daemon is not supported yet by pie-media (its inferlets serve no HTTP)",
-    "register_mcp_server": "register_mcp_server is not supported yet by pie-media (no MCP relay)",
     "submit_workflow": "workflows are not supported by pie-media",
     "cancel_workflow": "workflows are not supported by pie-media",
     "attach_workflow": "workflows are not supported by pie-media",
@@ -53,6 +76,18 @@ NOT_YET = {
 
 class Reply(Exception):
     """Answer the request ok:false with this text."""
+
+
+class Opens(str):
+    """An ok result after which the client holds an event queue for each of ``pids``."""
+
+    pids: tuple[str, ...] = ()
+
+
+def opens(text: str, pids: Any) -> Opens:
+    out = Opens(text)
+    out.pids = tuple(pids)
+    return out
 
 
 class Session:
@@ -75,6 +110,13 @@ class Session:
         self.auth_timeout_s = auth_timeout_s
         self.upload_timeout_s = upload_timeout_s
         self.uploads = Uploads(service.settings.max_inferlet_bytes)
+        self.files = Uploads(service.settings.max_inferlet_bytes, kind="transfer_file")
+        self.mcp: McpEndpoint | None = None
+        self._live: set[str] = set()
+        """Ids of the processes this connection launched that may still run."""
+        self._ready: set[str] = set()
+        """Processes the client holds a queue for (a launch / attach answered)."""
+        self._held: dict[str, list[tuple[str, str | bytes]]] = {}
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._run_process_ids: set[str] = set()
@@ -90,11 +132,14 @@ class Session:
             "terminate_process": self.terminate_process,
             "list_processes": self.list_processes,
             "add_program": self.add_program,
+            "launch_daemon": self.launch_daemon,
+            "register_mcp_server": self.register_mcp_server,
         }
 
     # -- the connection ---------------------------------------------------------------------
     async def serve(self) -> None:
         await self.ws.accept()
+        self.mcp = McpEndpoint(self.send, loop=asyncio.get_running_loop())
         writer = asyncio.create_task(self._write())
         watchdog = asyncio.create_task(self._watch())
         try:
@@ -116,10 +161,13 @@ class Session:
         finally:
             self.closed = True
             watchdog.cancel()
+            self.mcp.close()
+            self._held.clear()
             for task in list(self._tasks):
                 task.cancel()
             for rec in self.hub.detach(self.deliver):
                 self.service.inferlet_runs.cancel(rec)  # capture_outputs: ends with its launcher
+                audit("cancel", "inferlet_run", rec.id, via="pie", reason="its launcher disconnected")
             for run_id in self._run_process_ids:
                 rec = self.service.inferlet_runs.get(run_id)
                 if rec is not None and not rec.done:
@@ -159,6 +207,12 @@ class Session:
                     f"add_program: upload incomplete: {up.next_index} of {up.total_chunks} chunks came, "
                     f"then nothing for {self.upload_timeout_s:g} s",
                 )
+            for up in self.files.stale(self.upload_timeout_s):
+                self._notice(
+                    up.key[0],
+                    f"transfer_file {up.hash[:16]}... incomplete: {up.next_index} of {up.total_chunks} "
+                    f"chunks came, then nothing for {self.upload_timeout_s:g} s; the file was dropped",
+                )
 
     def send(self, data: bytes) -> None:
         if not self.closed:
@@ -167,9 +221,48 @@ class Session:
     def respond(self, corr_id: Any, ok: bool, result: str) -> None:
         self.send(framing.response(corr_id, ok, result))
 
-    def deliver(self, process_id: str, event: str, value: str) -> None:
-        """A process's event to this client (the hub's sink)."""
-        self.send(framing.process_event(process_id, event, value))
+    def deliver(self, process_id: str, event: str, value: str | bytes) -> None:
+        """A process's event to this client (the hub's sink); a ``file`` as ``file`` chunks."""
+        held = self._held.get(process_id)
+        if held is not None:
+            held.append((event, value))
+        elif event == "file" and process_id not in self._ready:
+            self._held[process_id] = [(event, value)]
+        else:
+            self._send_event(process_id, event, value)
+
+    def _send_event(self, process_id: str, event: str, value: str | bytes) -> None:
+        if event == "file":
+            data = value if isinstance(value, bytes) else str(value).encode()
+            for frame in framing.file_chunks(process_id, blake3_hex(data), data):
+                self.send(frame)
+            return
+        self.send(framing.process_event(process_id, event, str(value)))
+        if event in ("return", "error"):
+            self._ready.discard(process_id)  # the client drops its queue
+
+    def _opened(self, pids: tuple[str, ...]) -> None:
+        """The client has (or is about to have) a queue for each of ``pids``: send what was
+        held for them, ``FILE_GRACE_S`` from now (the client makes the queue once it has read
+        the response, and reads the frames after it before that)."""
+        loop = asyncio.get_running_loop()
+
+        def flush(pid: str) -> None:
+            if self.closed:
+                return
+            self._ready.add(pid)
+            for event, value in self._held.pop(pid, []):
+                self._send_event(pid, event, value)
+
+        for pid in pids:
+            loop.call_later(FILE_GRACE_S, flush, pid)
+
+    def _notice(self, process_id: Any, text: str) -> None:
+        """Tell the client about input of its that was dropped, as a ``stderr`` event of the
+        process it named."""
+        log.info("pie protocol: %s", text)
+        if isinstance(process_id, str) and process_id:
+            self.deliver(process_id, "stderr", f"[pie-media] {text}\n")
 
     # -- dispatch ---------------------------------------------------------------------------
     async def _dispatch(self, msg: dict[str, Any]) -> None:
@@ -187,8 +280,11 @@ class Session:
             self._add_program_chunk(msg)
         elif kind == "signal_process":
             self._signal(msg)
-        elif kind in ("transfer_file", "mcp_response"):
-            log.debug("pie protocol: %s is not supported yet; dropped", kind)
+        elif kind == "transfer_file":
+            self._transfer_chunk(msg)
+        elif kind == "mcp_response":
+            if self.mcp is None or not self.mcp.answer(msg):
+                log.debug("pie protocol: mcp_response for no call in flight (%r); dropped", corr_id)
         elif kind in self.handlers:
             if corr_id is None:
                 return  # a request without corr_id cannot be answered
@@ -220,6 +316,8 @@ class Session:
         else:
             if result is not None:
                 self.respond(corr_id, True, result)
+                if isinstance(result, Opens):
+                    self._opened(result.pids)
 
     async def _authenticate(self, kind: str, msg: dict[str, Any]) -> None:
         corr_id = msg.get("corr_id")
@@ -230,6 +328,8 @@ class Session:
         else:
             ok, result = await self.auth.by_token(msg.get("token"))
         if self.auth.caller is not None:
+            if self.mcp is not None:
+                self.mcp.tenant = self.auth.caller.tenant
             # this task and every task it starts from now on act as the caller (tenancy.py)
             enter(self.auth.caller, shared_caches=self.service.settings.share_prefix_cache)
         if corr_id is not None:
@@ -324,24 +424,58 @@ class Session:
             audit("create", "inferlet", program.inferlet_id, program=program.ref, via="pie")
         return result
 
+    def _admit(self) -> tuple[Any, float | None] | None:
+        """Count one launch against the caller's key limits (one request; a stream slot,
+        held while the process runs; refused while the key's token bucket is empty)."""
+        caller = self.caller
+        if not caller.limits.any:
+            return None
+        metrics = self.service.metrics
+        metrics.key_requests.labels(caller.name).inc()
+        try:
+            started = self.service.key_limits.admit(caller, generation=True)
+        except ServiceError as e:
+            metrics.key_limited.labels(caller.name, e.code).inc()
+            raise Reply(f"{e.code}: {e.message}") from None
+        return caller, started
+
     def _launch(
         self, msg: dict[str, Any], input_text: Any, budget: Any, capture: bool, keep: bool = True
     ) -> Any:
         runtime = self._runtime()
         program, path = self._program(msg.get("inferlet"))
+        runs = self.service.inferlet_runs
+        self._live = {i for i in self._live if (r := runs.get(i)) is not None and not r.done}
+        if len(self._live) >= MAX_LIVE_PROCESSES:
+            raise Reply(
+                f"this connection has {len(self._live)} processes running, its maximum "
+                f"({MAX_LIVE_PROCESSES}); wait for one to end or terminate one"
+            )
+        args, token_budget = args_of(input_text), budget_of(budget)
+        admitted = self._admit()
         try:
             rec = self.hub.launch(
                 runtime,
                 program.inferlet_id,
                 path,
-                args_of(input_text),
+                args,
                 tenant=self.caller.tenant,
-                token_budget=budget_of(budget),
+                token_budget=token_budget,
                 sink=self.deliver if capture else None,
                 keep=keep,
             )
-        except ServiceError as e:  # queue_full
-            raise Reply(f"{e.code}: {e.message}") from None
+        except BaseException as e:
+            if admitted is not None:
+                self.service.key_limits.release(*admitted)
+            if isinstance(e, ServiceError):  # queue_full
+                raise Reply(f"{e.code}: {e.message}") from None
+            raise
+        if admitted is not None and rec.task is not None:
+            limiter = self.service.key_limits
+            rec.task.add_done_callback(lambda _t: limiter.release(*admitted))
+        self._live.add(rec.id)
+        if self.mcp is not None:
+            RELAY.bind(rec.control, self.mcp, rec.id)
         audit("create", "inferlet_run", rec.id, inferlet=program.inferlet_id, program=program.ref, via="pie")
         return rec
 
@@ -349,7 +483,7 @@ class Session:
         rec = self._launch(
             msg, msg.get("input"), msg.get("token_budget"), bool(msg.get("capture_outputs", True))
         )
-        return rec.id
+        return opens(rec.id, [rec.id])
 
     def _many(self, msg: dict[str, Any]) -> list[tuple[Any, Any]]:
         inputs, budgets = msg.get("inputs"), msg.get("token_budgets")
@@ -373,7 +507,7 @@ class Session:
             for rec in started:
                 self.service.inferlet_runs.cancel(rec)
             raise
-        return json.dumps([r.id for r in started])
+        return opens(json.dumps([r.id for r in started]), [r.id for r in started])
 
     async def run_processes(self, msg: dict[str, Any]) -> str:
         started = []
@@ -408,8 +542,43 @@ class Session:
 
     async def attach_process(self, msg: dict[str, Any]) -> str:
         rec = self._run(msg.get("process_id"))
+        self._ready.discard(rec.id)  # the client makes a new queue once answered
         self.hub.attach(rec, self.deliver)
-        return "Process attached"
+        if self.mcp is not None:
+            RELAY.bind(rec.control, self.mcp, rec.id)
+        return opens("Process attached", [rec.id])
+
+    async def launch_daemon(self, msg: dict[str, Any]) -> str:
+        self._program(msg.get("inferlet"))  # one not installed is told so first
+        raise Reply(DAEMONS)
+
+    async def register_mcp_server(self, msg: dict[str, Any]) -> str:
+        assert self.mcp is not None
+        try:
+            reg = self.mcp.register(msg)
+        except ValueError as e:
+            raise Reply(str(e)) from None
+        log.info("pie protocol: MCP server %r registered (%s)", reg.name, reg.transport)
+        return "MCP server registered"
+
+    def _transfer_chunk(self, msg: dict[str, Any]) -> None:
+        """One ``transfer_file`` chunk; the whole file, checked, to the process's
+        ``session.receive-file`` (``InferletRun.post_file``)."""
+        process_id = msg.get("process_id")
+        key = self.files.key_of(msg)
+        if self.files.failed(key):
+            return  # the rest of a transfer already refused
+        try:
+            rec = self._run(process_id)
+            if rec.done:
+                raise Reply(f"process {process_id} has ended ({rec.status})")
+            done = self.files.chunk(msg)
+        except (Reply, ProgramError) as e:
+            self.files.fail(key)
+            self._notice(process_id, f"transfer_file dropped: {e}")
+            return
+        if done is not None:
+            rec.control.post_file(bytes(done.data))
 
     async def terminate_process(self, msg: dict[str, Any]) -> str:
         rec = self._run(msg.get("process_id"))

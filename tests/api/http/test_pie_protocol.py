@@ -330,8 +330,10 @@ def test_token_budget_and_many_processes(open_server: Server, installed: str) ->
                 await c.run_processes("nothing@1.0.0", [{}])
             with pytest.raises(Exception, match="token_budget"):
                 await c.launch_process(PROGRAM, ["echo"], token_budget=-1)
-            with pytest.raises(Exception, match="not supported yet"):
+            with pytest.raises(Exception, match="exporting wasi:http/incoming-handler"):
                 await c.launch_daemon(PROGRAM, 9999)
+            with pytest.raises(Exception, match="not installed"):
+                await c.launch_daemon("nothing@1.0.0", 9999)
 
     run(go())
 
