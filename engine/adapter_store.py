@@ -247,12 +247,16 @@ class AdapterStore:
             weakref.WeakKeyDictionary()
         )
 
-    def _table(self, model: Model) -> dict[tuple[str, str], NamedAdapter]:
+    @staticmethod
+    def _model(model: Model) -> Model:
         from engine.model import Model
 
         if not isinstance(model, Model):
             raise AdapterArgumentError(f"an adapter belongs to an engine Model, got {type(model).__name__}")
-        return self._by_model.setdefault(model, {})
+        return model
+
+    def _table(self, model: Model) -> dict[tuple[str, str], NamedAdapter]:
+        return self._by_model.setdefault(self._model(model), {})
 
     def _check(self, adapter: NamedAdapter) -> None:
         if not isinstance(adapter, NamedAdapter) or adapter.store is not self:
@@ -278,6 +282,7 @@ class AdapterStore:
     ) -> NamedAdapter:
         """A new adapter (Pie's initialization: B = 0, so it changes nothing yet);
         ``AdapterExistsError`` if the name is taken. ``alpha`` defaults to ``2 * rank``."""
+        self._model(model)
         self._name(name)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise AdapterArgumentError("an adapter's rank is an integer >= 1", rank=rank)
