@@ -94,14 +94,30 @@ class InstructFormat:
     def _ids(self, text: str) -> list[int]:
         return self.model.tokenize(text) if text else []
 
+    @cached_property
+    def _head(self) -> str:
+        """The probe conversation the pieces follow: one user turn."""
+        return self._render([_BEFORE])
+
+    @cached_property
+    def _tail(self) -> str:
+        """A user turn after the probe (what follows a replayed assistant turn)."""
+        return self._user_text(_AFTER["content"])
+
     def _user_text(self, msg: str) -> str:
-        return self._turns([_BEFORE], [_user(msg)])
+        whole = self._render([_BEFORE, _user(msg)])
+        if not whole.startswith(self._head):
+            raise InvalidRequestError(
+                "the chat template re-renders earlier turns when a user turn is added (it is "
+                "not prefix-stable), so the turn cannot be a token delta"
+            )
+        return whole[len(self._head) :]
 
     def _assistant_text(self, msg: str) -> str:
         """An assistant turn as the template renders it between two user turns."""
         assistant = {"role": "assistant", "content": msg}
         whole = self._render([_BEFORE, assistant, _AFTER])
-        head, tail = self._render([_BEFORE]), self._user_text(_AFTER["content"])
+        head, tail = self._head, self._tail
         if not (whole.startswith(head) and whole.endswith(tail)) or len(whole) < len(head) + len(tail):
             raise InvalidRequestError(
                 "the chat template renders an assistant turn differently from its neighbours "
@@ -183,7 +199,7 @@ class InstructFormat:
         parsed = parse_tools(tools)
         opening = [] if system is None else [{"role": "system", "content": system}]
         whole = self._render([*opening, _AFTER], tools=parsed)
-        tail = self._user_text(_AFTER["content"])
+        tail = self._tail
         if not whole.endswith(tail):
             raise InvalidRequestError(
                 "the chat template renders the user turn after its tools differently, so the "
