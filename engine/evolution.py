@@ -36,7 +36,9 @@ same on every device.
 
 ``perturbed(adapter, seed)`` builds the perturbed weights once per seed and keeps them
 (LRU, at most ``population_size`` entries and ``cache_bytes``) until the adapter's weights
-change, so every pass of a population member reuses one ``engine.lora.Adapter``.
+change, so every pass of a population member reuses one ``engine.lora.Adapter``. An
+``update`` swaps the weights and the search state at once: a ``perturbed`` running beside it
+(another thread) builds from one generation, never a mix.
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ class EvolutionState:
         self._cache: OrderedDict[int, Adapter] = OrderedDict()
         self._cache_base: Adapter | None = None
         self._lock = threading.Lock()
+        self._update_lock = threading.Lock()
         self._derive()
 
     # -- strategy constants ---------------------------------------------------------------
@@ -184,7 +187,7 @@ class EvolutionState:
 
     def stdev(self, key: ParamKey) -> torch.Tensor:
         """``S = sigma * sqrt(C)`` for one weight matrix: the noise scale of its entries."""
-        return self.sigma[_block_of(key[0])] * torch.sqrt(self.diag_c[key])
+        return _stdev(self.sigma, self.diag_c, key)
 
     def fork(self) -> EvolutionState:
         twin = object.__new__(EvolutionState)
@@ -193,7 +196,8 @@ class EvolutionState:
         twin.ps = {k: t.clone() for k, t in self.ps.items()}
         twin.pc = {k: t.clone() for k, t in self.pc.items()}
         twin.sigma = dict(self.sigma)
-        twin._cache, twin._cache_base, twin._lock = OrderedDict(), None, threading.Lock()
+        twin._cache, twin._cache_base = OrderedDict(), None
+        twin._lock, twin._update_lock = threading.Lock(), threading.Lock()
         return twin
 
     # -- persistence (zo_state.safetensors beside the PEFT files) --------------------------
@@ -254,6 +258,10 @@ class EvolutionState:
         return state
 
 
+def _stdev(sigma: dict[str, float], diag_c: dict[ParamKey, torch.Tensor], key: ParamKey) -> torch.Tensor:
+    return sigma[_block_of(key[0])] * torch.sqrt(diag_c[key])
+
+
 def _state(adapter: NamedAdapter) -> EvolutionState:
     if not isinstance(adapter, NamedAdapter):
         raise AdapterArgumentError(
@@ -310,10 +318,10 @@ def perturbed(adapter: NamedAdapter, seed: int) -> Adapter:
     Built once per seed while the adapter's weights stay the same."""
     state = _state(adapter)
     seed = _check_seed(seed)
-    base = adapter.adapter
     if seed == 0:
-        return base
-    with state._lock:
+        return adapter.adapter
+    with state._lock:  # weights and S of one generation (update swaps them under this lock)
+        base, sigma, diag_c = adapter.adapter, state.sigma, state.diag_c
         if state._cache_base is not base:
             state._cache.clear()
             state._cache_base = base
@@ -323,8 +331,8 @@ def perturbed(adapter: NamedAdapter, seed: int) -> Adapter:
             return hit
     weights = {}
     for path, (a, b) in base.weights.items():
-        pa = a + state.stdev((path, 0)) * noise(seed, (path, 0), tuple(a.shape)).to(a.device)
-        pb = b + state.stdev((path, 1)) * noise(seed, (path, 1), tuple(b.shape)).to(b.device)
+        pa = a + _stdev(sigma, diag_c, (path, 0)) * noise(seed, (path, 0), tuple(a.shape)).to(a.device)
+        pb = b + _stdev(sigma, diag_c, (path, 1)) * noise(seed, (path, 1), tuple(b.shape)).to(b.device)
         weights[path] = (pa, pb)
     out = snapshot(adapter.model, f"{adapter.name}@{seed}", base.rank, base.alpha, weights)
     size = sum(a.numel() + b.numel() for a, b in weights.values()) * 4
@@ -355,47 +363,52 @@ def update(adapter: NamedAdapter, scores: list[float], seeds: list[int], max_sig
     order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable: ties keep input order
     top = [seeds[i] for i in order[: state.mu]]
     w = state.weights
-    base = adapter.adapter
-    new_weights = {p: list(ab) for p, ab in base.weights.items()}
-    for block, keys in state.blocks.items():
-        c = state.consts[block]
-        sigma = state.sigma[block]
-        steps, ymu = {}, {}
-        for key in keys:
-            mean = base.weights[key[0]][key[1]].float()
-            s = state.stdev(key)
-            shift = torch.zeros_like(mean)
-            sq = torch.zeros_like(mean)
-            for wi, seed in zip(w, top, strict=True):
-                n = s * noise(seed, key, tuple(mean.shape)).to(mean.device)
-                shift += float(wi) * n
-                sq += float(wi) * (n / (sigma + _EPS)) ** 2
-            new_weights[key[0]][key[1]] = mean + shift
-            steps[key] = shift / (sigma + _EPS)
-            ymu[key] = sq
-        c_ps = math.sqrt(c["cs"] * (2.0 - c["cs"]) * state.mueff)
-        norm_sq = 0.0
-        for key in keys:
-            std = torch.sqrt(state.diag_c[key]).clamp_min(state.min_var**0.5)
-            state.ps[key] = (1.0 - c["cs"]) * state.ps[key] + c_ps * (steps[key] / (std + _EPS))
-            norm_sq += float(state.ps[key].double().pow(2).sum())
-        norm_ps = math.sqrt(norm_sq)
-        new_sigma = sigma * math.exp((c["cs"] / c["damps"]) * (norm_ps / c["chiN"] - 1.0))
-        new_sigma = max(new_sigma, state.min_sigma)
-        if max_sigma > 0:
-            new_sigma = min(new_sigma, max_sigma)
-        h = 1.0 if norm_ps < (1.4 + 2.0 / (c["d"] + 1.0)) * c["chiN"] else 0.0
-        c_pc = math.sqrt(c["cc"] * (2.0 - c["cc"]) * state.mueff)
-        for key in keys:
-            state.pc[key] = (1.0 - c["cc"]) * state.pc[key] + h * c_pc * steps[key]
-            state.diag_c[key] = (
-                (1.0 - c["c1"] - c["cmu"]) * state.diag_c[key]
-                + c["c1"] * state.pc[key].pow(2)
-                + c["cmu"] * ymu[key]
-            ).clamp(state.min_var, state.max_var)
-        state.sigma[block] = new_sigma
-    adapter.set_weights({p: (a, b) for p, (a, b) in new_weights.items()})
-    state.generation += 1
-    with state._lock:
-        state._cache.clear()
-        state._cache_base = adapter.adapter
+    with state._update_lock:  # one update at a time; perturbed() reads the old state meanwhile
+        with state._lock:
+            base = adapter.adapter
+            old_sigma, old_c, old_ps, old_pc = state.sigma, state.diag_c, state.ps, state.pc
+        new_weights = {p: list(ab) for p, ab in base.weights.items()}
+        sigma_new, c_new, ps_new, pc_new = dict(old_sigma), dict(old_c), dict(old_ps), dict(old_pc)
+        for block, keys in state.blocks.items():
+            c = state.consts[block]
+            sigma = old_sigma[block]
+            steps, ymu = {}, {}
+            for key in keys:
+                mean = base.weights[key[0]][key[1]].float()
+                s = _stdev(old_sigma, old_c, key)
+                shift = torch.zeros_like(mean)
+                sq = torch.zeros_like(mean)
+                for wi, seed in zip(w, top, strict=True):
+                    n = s * noise(seed, key, tuple(mean.shape)).to(mean.device)
+                    shift += float(wi) * n
+                    sq += float(wi) * (n / (sigma + _EPS)) ** 2
+                new_weights[key[0]][key[1]] = mean + shift
+                steps[key] = shift / (sigma + _EPS)
+                ymu[key] = sq
+            c_ps = math.sqrt(c["cs"] * (2.0 - c["cs"]) * state.mueff)
+            norm_sq = 0.0
+            for key in keys:
+                std = torch.sqrt(old_c[key]).clamp_min(state.min_var**0.5)
+                ps_new[key] = (1.0 - c["cs"]) * old_ps[key] + c_ps * (steps[key] / (std + _EPS))
+                norm_sq += float(ps_new[key].double().pow(2).sum())
+            norm_ps = math.sqrt(norm_sq)
+            sig = sigma * math.exp((c["cs"] / c["damps"]) * (norm_ps / c["chiN"] - 1.0))
+            sig = max(sig, state.min_sigma)
+            if max_sigma > 0:
+                sig = min(sig, max_sigma)
+            h = 1.0 if norm_ps < (1.4 + 2.0 / (c["d"] + 1.0)) * c["chiN"] else 0.0
+            c_pc = math.sqrt(c["cc"] * (2.0 - c["cc"]) * state.mueff)
+            for key in keys:
+                pc_new[key] = (1.0 - c["cc"]) * old_pc[key] + h * c_pc * steps[key]
+                c_new[key] = (
+                    (1.0 - c["c1"] - c["cmu"]) * old_c[key]
+                    + c["c1"] * pc_new[key].pow(2)
+                    + c["cmu"] * ymu[key]
+                ).clamp(state.min_var, state.max_var)
+            sigma_new[block] = sig
+        with state._lock:
+            adapter.set_weights({p: (a, b) for p, (a, b) in new_weights.items()})
+            state.sigma, state.diag_c, state.ps, state.pc = sigma_new, c_new, ps_new, pc_new
+            state.generation += 1
+            state._cache.clear()
+            state._cache_base = adapter.adapter
