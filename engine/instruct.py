@@ -269,7 +269,8 @@ def _as_function(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 class ToolUse:
-    """``pie:instruct/tool-use`` as calls on a model."""
+    """``pie:instruct/tool-use`` as calls on a model (its decoder:
+    ``engine.instruct_decoders.ToolCallDecoder``, which imports this module)."""
 
     @staticmethod
     def equip(model: Any, tools: Sequence[Tool]) -> list[int]:
@@ -282,12 +283,6 @@ class ToolUse:
     @staticmethod
     def format(model: Any, tools: Sequence[Tool]) -> Grammar | None:
         return InstructFormat.for_model(model).tool_grammar(tools)
-
-    @staticmethod
-    def decoder(model: Any) -> Any:
-        from engine.instruct_decoders import ToolCallDecoder
-
-        return ToolCallDecoder(model)
 
 
 __all__ = ["InstructFormat", "ToolUse", "parse_tools"]

@@ -281,7 +281,7 @@ def test_the_tool_decoder_reports_each_call_once(qwen, gemma):
     # Gemma-4 has no call format here: Pie's no-op decoder.
     gemma_ids = gemma.tokenize(GEMMA_REPLY)
     assert set(_one_by_one(ToolCallDecoder(gemma), gemma_ids)) == {("start",)}
-    assert ToolUse.decoder(gemma).feed(gemma_ids) == ("start",)
+    assert ToolCallDecoder(gemma).feed(gemma_ids) == ("start",)
 
 
 def test_a_prompt_that_opens_the_thought_starts_the_decoder_inside(qwen):
