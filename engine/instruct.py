@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -67,10 +67,22 @@ class InstructFormat:
     """One model's instruct pieces (one per model and template options: ``for_model``)."""
 
     def __init__(self, model: Any, options: Mapping[str, Any] | None = None):
-        self.model = model
+        # A weak reference: ``for_model``'s cache is keyed weakly by the model, which a
+        # strong one in its value would keep alive for good.
+        try:
+            self._model: Callable[[], Any] = weakref.ref(model)
+        except TypeError:  # an object without weak references (a test's stand-in)
+            self._model = lambda: model
         self.options: dict[str, Any] = dict(options or {})
         if "tools" in self.options:
             raise InvalidRequestError("pass tools to equip(), not as a template option", param="options")
+
+    @property
+    def model(self) -> Any:
+        model = self._model()
+        if model is None:
+            raise InvalidRequestError("the model of this instruct format was unloaded")
+        return model
 
     @classmethod
     def for_model(cls, model: Any, options: Mapping[str, Any] | None = None) -> InstructFormat:
