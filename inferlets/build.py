@@ -133,7 +133,19 @@ def build_pie_component(project: Path, out_dir: Path, *, extra: list[Path] = ())
         tool = Path(sys.executable).parent / "componentize-py"
         tmp_out = out.with_suffix(f".{work.name}.tmp")
         r = subprocess.run(
-            [str(tool), "-d", str(wit), "-w", "exec", "componentize", "-p", str(app), "pie_entry", "-o", str(tmp_out)],
+            [
+                str(tool),
+                "-d",
+                str(wit),
+                "-w",
+                "exec",
+                "componentize",
+                "-p",
+                str(app),
+                "pie_entry",
+                "-o",
+                str(tmp_out),
+            ],
             capture_output=True,
             text=True,
             timeout=600,

@@ -82,8 +82,12 @@ class PieManifest:
                 raise PieManifestError(f"parameter {pname!r} needs a type (string, int, float, bool, ...)")
             ptype = spec["type"].lower()
             if ptype not in TYPES:
-                raise PieManifestError(f"parameter {pname!r} has unknown type {spec['type']!r}; known: {sorted(TYPES)}")
-            params[pname] = Parameter(pname, ptype, bool(spec.get("optional", False)), str(spec.get("description", "")))
+                raise PieManifestError(
+                    f"parameter {pname!r} has unknown type {spec['type']!r}; known: {sorted(TYPES)}"
+                )
+            params[pname] = Parameter(
+                pname, ptype, bool(spec.get("optional", False)), str(spec.get("description", ""))
+            )
         return cls(name, version.strip(), str(pkg.get("description", "")), params, doc)
 
     @classmethod
@@ -102,7 +106,9 @@ class PieManifest:
         for p in self.parameters.values():
             if p.name not in data or data[p.name] is None:
                 if not p.optional:
-                    raise PieInputError(f"{self.ref} needs the parameter {p.name!r} ({p.type})", parameter=p.name)
+                    raise PieInputError(
+                        f"{self.ref} needs the parameter {p.name!r} ({p.type})", parameter=p.name
+                    )
                 continue
             v = data[p.name]
             ok = isinstance(v, TYPES[p.type]) and not (isinstance(v, bool) and bool not in TYPES[p.type])

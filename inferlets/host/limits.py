@@ -26,6 +26,9 @@ class RunLimits:
     thread, so its length is bounded up front)."""
     max_saves: int = 16
     """Names one run may save (saved contexts outlive the run and keep their pages)."""
+    max_children: int = 16
+    """Child inferlets one run may launch (Pie's ``runtime.launch``): a launch loop ends at
+    this cap with a typed error; children count against the parent's tenant."""
     token_budget: int | None = None
     """Tokens the whole run may generate (None: no budget; Pie's ``token_budget``). A
     generation is cut to what is left (its finish reason then "length"); a generation,

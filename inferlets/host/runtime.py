@@ -35,6 +35,7 @@ from inferlets.host.iface_media import MediaCalls
 from inferlets.host.iface_runtime import ModelCalls, RuntimeCalls
 from inferlets.host.iface_speech import SpeechCalls
 from inferlets.host.limits import RunLimits
+from inferlets.host.pie_world import PieHost, is_pie_world, link_pie_world, run_export
 from inferlets.host.state import RunState
 from media import cache_scope, use_cache_scope
 from media.errors import PieMediaError
@@ -182,6 +183,7 @@ class InferletRuntime:
         state = RunState(self.models, loop, args, on_send or (lambda s: None), limits or self.limits, control)
         state.on_output = on_output
         state.on_file = on_file
+        state.on_file = on_file
         # Host calls hop to the loop with this thread's context (call_soon_threadsafe copies
         # it): the run's contexts key their caches under its caller's scope.
         scope = control.cache_scope if control is not None else cache_scope()
@@ -219,6 +221,8 @@ class InferletRuntime:
             return self._execute_ticked(state, comp)
 
     def _execute_ticked(self, state: RunState, comp: wc.Component) -> str:
+        if is_pie_world(self.engine, comp):
+            return self._execute_pie(state, comp)
         limits = state.limits
         store = wasmtime.Store(self.engine)
         store.set_limits(memory_size=limits.memory_bytes)
@@ -264,6 +268,57 @@ class InferletRuntime:
         raise InferletFailedError(
             f"{code}: {message}", guest_code=code, guest_kind=getattr(out, "kind", "guest")
         )
+
+    launch_child: Callable[..., Any] | None = None
+    """``(program, input, parent_state) -> (pid, concurrent future of the result, cancel)``:
+    how Pie's ``runtime.launch`` starts a child (a server sets it to reach its program
+    store); None: launches fail with an error that says so."""
+
+    def _store(self, limits: RunLimits) -> wasmtime.Store:
+        store = wasmtime.Store(self.engine)
+        store.set_limits(memory_size=limits.memory_bytes)
+        store.set_fuel(limits.fuel)
+        store.set_epoch_deadline(max(1, int(limits.wall_s / EPOCH_TICK_S)))
+        return store
+
+    def _execute_pie(self, state: RunState, comp: wc.Component) -> str:
+        """Run a component of Pie 0.4.0's world (``pie_world``)."""
+        limits = state.limits
+        host = PieHost(state, launch_child=self.launch_child, mcp=getattr(state.control, "mcp", None))
+        store = self._store(limits)
+        store.set_wasi(wasmtime.WasiConfig())
+        try:
+            linker = link_pie_world(self.engine, comp, host)
+            try:
+                instance = linker.instantiate(store, comp)
+            except wasmtime.WasmtimeError as e:
+                raise InvalidComponentError(
+                    "the component does not fit Pie 0.4.0's world as this host serves it", detail=str(e)[:600]
+                ) from None
+            run = run_export(instance, store, comp, self.engine)
+            out = run(store, state.args[0] if state.args else "{}")
+        except wasmtime.WasmtimeError as e:
+            msg = str(e)
+            log.debug("Pie-world run trapped: %s", msg)
+            if state.control is not None and state.control.cancelled:
+                raise InferletCancelledError("the run was cancelled") from None
+            if state.ended_by is not None:
+                raise state.ended_by from None
+            if "interrupt" in msg:
+                raise InferletTimeoutError(f"inferlet passed its {limits.wall_s} s deadline") from None
+            raise InferletTrapError("inferlet trapped: " + _trap_reason(msg)) from None
+        finally:
+            host.close()
+            store.close()
+        if state.control is not None and state.control.cancelled:
+            raise InferletCancelledError("the run was cancelled")
+        if state.ended_by is not None:
+            raise state.ended_by
+        if isinstance(out, wc.Variant):
+            if out.tag == "ok":
+                return str(out.payload)
+            raise InferletFailedError(str(out.payload), guest_code="inferlet_error", guest_kind="guest")
+        return str(out)
 
 
 def _output_writer(stream: str, on_output: Callable[[str, str], None]) -> Callable[[bytes], None]:

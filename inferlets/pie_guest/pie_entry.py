@@ -20,6 +20,7 @@ import json
 import time
 import traceback
 
+import main as user_main  # the inferlet's main.py (imported at build time: componentize-py bundles what is imported then)
 from componentize_py_types import Err
 from wit_world import exports
 from wit_world.imports import poll
@@ -62,6 +63,7 @@ class PiePollLoop(asyncio.AbstractEventLoop):
 
     def _run_once(self) -> None:
         ready, self._ready = self._ready, []
+        ran = bool(ready)
         for h in ready:
             if not h._cancelled:
                 h._run()
@@ -80,6 +82,8 @@ class PiePollLoop(asyncio.AbstractEventLoop):
                 return
         elif pollables:
             hit = set(poll.poll(pollables))
+        elif ran:
+            return  # the outer loop looks whether the main task is done
         else:
             raise RuntimeError("the inferlet awaits something that can never finish (nothing to poll)")
         still = []
@@ -166,9 +170,7 @@ class Run(exports.Run):
         try:
             args = json.loads(input) if input.strip() else {}
         except ValueError as e:
-            raise Err(f"the input is not JSON: {e}")
-        import main as user_main
-
+            raise Err(f"the input is not JSON: {e}") from None
         loop = PiePollLoop()
         asyncio.set_event_loop(loop)
         try:
@@ -178,6 +180,6 @@ class Run(exports.Run):
         except BaseException as e:  # noqa: BLE001 - every failure is the run's err case
             tb = traceback.format_exc(limit=8)
             print(tb)
-            raise Err(f"{type(e).__name__}: {e}")
+            raise Err(f"{type(e).__name__}: {e}") from None
         finally:
             loop.close()

@@ -1,0 +1,1 @@
+"""Pie's ``pie:mcp`` package on the host."""
