@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import wasmtime
@@ -95,6 +96,7 @@ class PieHost:
         broker: MessageBroker | None = None,
         launch_child: Callable[..., Any] | None = None,
         mcp: Any = None,
+        sandbox_root: Path | None = None,
     ):
         self.state = state
         self.waiter = Waiter(state.check, lambda: state.deadline)
@@ -108,9 +110,25 @@ class PieHost:
         self.instance_id = str(uuid.uuid4())
         self.namespace = state.control.namespace if state.control is not None else ""
         self._outputs: dict[str, OutputStream] = {}
+        self._sandbox_root = sandbox_root
+        self._sandbox: Path | None = None
 
     def __repr__(self) -> str:
         return f"PieHost({len(self.table)} live resources, namespace={self.namespace!r})"
+
+    @property
+    def sandbox_dir(self) -> Path:
+        """This run's own directory, the guest's ``/scratch`` (made on first use, removed with
+        the run): under ``<sandbox root>/<tenant>/<instance id>``, never shared."""
+        if self._sandbox is None:
+            import tempfile
+
+            root = self._sandbox_root or Path(tempfile.gettempdir()) / "pie-media-sandboxes"
+            tenant = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.namespace) or "_local"
+            path = root / tenant / self.instance_id
+            path.mkdir(parents=True, exist_ok=True)
+            self._sandbox = path
+        return self._sandbox
 
     # -- models -------------------------------------------------------------------------------
     def model_res(self, name: str) -> ModelRes:
@@ -160,6 +178,10 @@ class PieHost:
 
     def close(self) -> None:
         self.table.close_all()
+        if self._sandbox is not None:
+            import shutil
+
+            shutil.rmtree(self._sandbox, ignore_errors=True)
 
 
 def _groups(engine: wasmtime.Engine, comp: wc.Component) -> list[tuple[Any, type[Resource] | None]]:

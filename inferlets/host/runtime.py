@@ -284,7 +284,12 @@ class InferletRuntime:
     def _execute_pie(self, state: RunState, comp: wc.Component) -> str:
         """Run a component of Pie 0.4.0's world (``pie_world``)."""
         limits = state.limits
-        host = PieHost(state, launch_child=self.launch_child, mcp=getattr(state.control, "mcp", None))
+        host = PieHost(
+            state,
+            launch_child=self.launch_child,
+            mcp=getattr(state.control, "mcp", None),
+            sandbox_root=self.cache_dir / "sandboxes",
+        )
         store = self._store(limits)
         store.set_wasi(wasmtime.WasiConfig())
         try:
