@@ -147,7 +147,7 @@ class RunTable:
             loop.call_soon_threadsafe(self._on_send, rec, text, stream)
 
         def on_file(data: bytes) -> None:  # the run's worker thread
-            loop.call_soon_threadsafe(self._on_file, rec, bytes(data))
+            loop.call_soon_threadsafe(self.deliver_file, rec, bytes(data))
 
         rec.task = asyncio.create_task(
             self._drive(runtime, rec, wasm, limits, on_send, on_output if capture_output else None, on_file)
@@ -185,9 +185,9 @@ class RunTable:
             rec.events.put_nowait(("send", text))
         self._tell(rec, kind, text)
 
-    def _on_file(self, rec: RunRecord, data: bytes) -> None:
-        """A file from the guest: to the listeners (a Pie session sends it as ``file``
-        messages), counted against the send cap."""
+    def deliver_file(self, rec: RunRecord, data: bytes) -> None:
+        """A file from the guest (what its ``on_file`` hands on, on the loop): to the
+        listeners (a Pie session sends it as ``file`` messages), counted against the send cap."""
         if rec.done or self._over_cap(rec, len(data)):
             return
         rec.files += 1

@@ -185,6 +185,10 @@ class Uploads:
     def failed(self, key: Any) -> bool:
         return key in self._failed
 
+    def forgive(self, key: Any) -> None:
+        """Take chunks of ``key`` again (a ``transfer_file`` of the same file sent anew)."""
+        self._failed.pop(key, None)
+
     def fail(self, key: Any) -> None:
         self.open.pop(key, None)
         self._failed[key] = None

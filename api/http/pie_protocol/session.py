@@ -567,7 +567,9 @@ class Session:
         process_id = msg.get("process_id")
         key = self.files.key_of(msg)
         if self.files.failed(key):
-            return  # the rest of a transfer already refused
+            if msg.get("chunk_index") != 0:
+                return  # the rest of a transfer already refused
+            self.files.forgive(key)  # the same file sent again
         try:
             rec = self._run(process_id)
             if rec.done:
@@ -575,7 +577,7 @@ class Session:
             done = self.files.chunk(msg)
         except (Reply, ProgramError) as e:
             self.files.fail(key)
-            self._notice(process_id, f"transfer_file dropped: {e}")
+            self._notice(process_id, f"transfer_file {str(key[1])[:16]}... dropped: {e}")
             return
         if done is not None:
             rec.control.post_file(bytes(done.data))
