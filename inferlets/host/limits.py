@@ -11,7 +11,8 @@ class RunLimits:
     error: guest linear memory (``memory_bytes``, a trap), fuel (CPU, a trap), wall clock
     (``wall_s``: epoch interruption in the guest, a deadline on every blocking host call),
     live handles (contexts + media + speech streams), the size of any text or buffer the
-    guest passes in, and how many names one run may save."""
+    guest passes in, the size of its ``/scratch`` files, and how many names one run may
+    save."""
 
     memory_bytes: int = 256 << 20
     fuel: int = 2_000_000_000
@@ -19,6 +20,9 @@ class RunLimits:
     max_handles: int = 64
     max_text_bytes: int = 1 << 20
     max_buffer_bytes: int = 64 << 20
+    max_scratch_bytes: int | None = None
+    """Bytes the run's ``/scratch`` sandbox may hold in all (file contents, by size; None:
+    4 x ``max_buffer_bytes``). A write past it fails with WASI's ``insufficient-space``."""
     max_tokens: int = 4096
     """Most tokens one generate call may ask for."""
     max_speech_s: float = 30.0
