@@ -40,7 +40,7 @@ from inferlets.host.pie_mcp.types import McpTypes
 from inferlets.host.pie_zo.zo import Zo
 from inferlets.host.state import RunState
 from inferlets.host.wasi.poll import Waiter
-from inferlets.host.wasi.streams import OutputStream
+from inferlets.host.wasi.streams import IoError, OutputStream
 
 PIE_INTERFACES: tuple[type[Interface], ...] = (
     Types,
@@ -61,7 +61,9 @@ PIE_INTERFACES: tuple[type[Interface], ...] = (
     Client,
     Zo,
 )
-ALL_INTERFACES: tuple[type[Interface], ...] = PIE_INTERFACES + tuple(wasi.INTERFACES)
+# wasi:io/error is the host's too: a failed /scratch file stream hands the guest an error the
+# host made, whose error code (e.g. insufficient-space) filesystem-error-code answers.
+ALL_INTERFACES: tuple[type[Interface], ...] = PIE_INTERFACES + tuple(wasi.INTERFACES) + (IoError,)
 BY_NAME: dict[str, type[Interface]] = {i.NAME: i for i in ALL_INTERFACES}
 RESOURCE_CLASSES: list[type[Resource]] = resource_classes(list(ALL_INTERFACES))
 TYPE_IDS: dict[type[Resource], int] = {cls: 1000 + i for i, cls in enumerate(RESOURCE_CLASSES)}
