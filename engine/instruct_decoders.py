@@ -61,6 +61,7 @@ class _Text:
     def __init__(self, model: Any):
         self._model = model
         self._vocab = len(model.tokenizer)
+        self._width = max(self._vocab, int(getattr(getattr(model, "arch", None), "vocab_size", 0) or 0))
         self._inc = IncrementalText(self._decode, model.byte_fallback_ids)
         self.text = ""
         self.sent = 0
@@ -70,13 +71,17 @@ class _Text:
 
     def check(self, tokens: Sequence[int]) -> None:
         for t in tokens:
-            if not 0 <= t < self._vocab:
+            if not 0 <= t < self._width:
                 raise InvalidRequestError(
-                    f"token id {t} is not in the model's vocabulary (0..{self._vocab - 1})", param="tokens"
+                    f"token id {t} is not in the model's vocabulary (0..{self._width - 1})", param="tokens"
                 )
 
     def push(self, token: int) -> str:
-        """Add ``token``; the text it releases."""
+        """Add ``token``; the text it releases. An id past the tokenizer but inside the
+        model's logits (the embedding table's padding rows, which a sampler over the whole
+        row can draw) has no text."""
+        if token >= self._vocab:
+            return ""
         self.text = self._inc.push(int(token))
         end = len(self.text.rstrip(_UNFINISHED))
         if end <= self.sent:

@@ -168,15 +168,15 @@ class PieHost:
         return OutputStream(self._outputs[name]._write)
 
     def engine_adapter(self, adapter: Any, zo_seed: int | None) -> Any:
-        """The engine adapter a pass runs under (a Pie adapter, perturbed by ``zo_seed``)."""
+        """The engine adapter a pass runs under: a Pie adapter's current weights, or their
+        perturbation by ``zo_seed`` (``pie:zo``)."""
         if adapter is None:
             raise ValueError("adapter-seed needs an adapter on the pass (forward-pass.adapter)")
-        handle = adapter.handle
         if zo_seed is not None:
             from engine.evolution import perturbed
 
-            return perturbed(handle, zo_seed)
-        return getattr(handle, "adapter", handle)
+            return perturbed(adapter.handle, zo_seed)
+        return adapter.handle.adapter
 
     def close(self) -> None:
         self.table.close_all()

@@ -63,7 +63,7 @@ class Chat(Interface):
 
     @wit("create-decoder")
     def create_decoder(self, m: ModelRes) -> ChatDecoderRes:
-        from engine.instruct import ChatDecoder
+        from engine.instruct_decoders import ChatDecoder
 
         return ChatDecoderRes(ChatDecoder(self.host.text_model(m)))
 

@@ -24,7 +24,7 @@ class Reasoning(Interface):
 
     @wit("create-decoder")
     def create_decoder(self, m: ModelRes) -> ReasoningDecoderRes:
-        from engine.instruct import ReasoningDecoder
+        from engine.instruct_decoders import ReasoningDecoder
 
         return ReasoningDecoderRes(ReasoningDecoder(self.host.text_model(m)))
 

@@ -24,35 +24,44 @@ class ToolUse(Interface):
     NAME = "pie:instruct/tool-use"
     RESOURCES = (ToolDecoderRes,)
 
-    def _tools(self, m: ModelRes) -> Any:
-        from engine.instruct import ToolUse as EngineToolUse
+    def _format(self, m: ModelRes) -> Any:
+        from engine.instruct import InstructFormat
 
-        return EngineToolUse(self.host.text_model(m))
+        return InstructFormat.for_model(self.host.text_model(m))
+
+    def _source(self, m: ModelRes, tools: list[str]) -> Any:
+        """The grammar forcing a call of one of ``tools`` (None: the model has no call format)."""
+        from engine.grammar_matcher import GrammarSource
+
+        grammar = self._format(m).tool_grammar([self.host.state.text(t, "a tool") for t in tools])
+        return None if grammar is None else GrammarSource(kind="ebnf", text=grammar.source, grammar=grammar)
 
     @wit("equip")
     def equip(self, m: ModelRes, tools: list[str]) -> list[int]:
-        return list(self._tools(m).equip([self.host.state.text(t, "a tool") for t in tools]))
+        return list(self._format(m).equip([self.host.state.text(t, "a tool") for t in tools]))
 
     @wit("answer")
     def answer(self, m: ModelRes, name: str, value: str) -> list[int]:
-        return list(self._tools(m).answer(name, self.host.state.text(value, "a tool result")))
+        return list(self._format(m).answer(name, self.host.state.text(value, "a tool result")))
 
     @wit("create-decoder")
     def create_decoder(self, m: ModelRes) -> ToolDecoderRes:
-        return ToolDecoderRes(self._tools(m).decoder())
+        from engine.instruct_decoders import ToolCallDecoder
+
+        return ToolDecoderRes(ToolCallDecoder(self.host.text_model(m)))
 
     @wit("format")
     def format(self, m: ModelRes, tools: list[str]) -> GrammarRes | None:
-        source = self._tools(m).format(list(tools))
+        source = self._source(m, tools)
         return None if source is None else GrammarRes(source)
 
     @wit("create-matcher")
     def create_matcher(self, m: ModelRes, tools: list[str]) -> MatcherRes:
         from engine.grammar_matcher import TokenMatcher
 
-        source = self._tools(m).format(list(tools))
+        source = self._source(m, tools)
         if source is None:
-            raise RuntimeError("this model has no tool-call format to match")
+            raise RuntimeError(f"model {m.name!r} has no tool-call format to match")
         return MatcherRes(TokenMatcher(source, self.host.text_model(m)))
 
     @wit("[method]decoder.feed")
