@@ -31,6 +31,8 @@ MAIN = textwrap.dedent(
             return ["ok", r if isinstance(r, (str, int, list)) else None]
         except OSError as e:
             return ["err", errno.errorcode.get(e.errno, str(e.errno))]
+        except Exception as e:
+            return ["exc", type(e).__name__]
 
 
     def read(path, mode="r"):
@@ -97,6 +99,29 @@ MAIN = textwrap.dedent(
         out["rmdir_scratch"] = attempt(lambda: os.rmdir("/scratch/sub/.."))
 
 
+    def moved_link(out):
+        # A link that stays inside where it was made points out once moved; a directory
+        # descriptor whose directory is swapped for such a link must not follow it.
+        os.makedirs("/scratch/a/b")
+        os.mkdir("/scratch/d")
+        write("/scratch/d/inside", b"i")
+        out["link_deep"] = attempt(lambda: os.symlink("../..", "/scratch/a/b/up"))
+        out["via_deep"] = attempt(lambda: sorted(os.listdir("/scratch/a/b/up")))
+        fd = os.open("/scratch/d", os.O_RDONLY | os.O_DIRECTORY)
+        out["fd_stat_before"] = attempt(lambda: os.stat("inside", dir_fd=fd).st_size)
+        os.rename("/scratch/d", "/scratch/d_old")
+        os.rename("/scratch/a/b/up", "/scratch/d")
+        out["moved_list"] = attempt(lambda: os.listdir("/scratch/d"))
+        out["moved_open"] = attempt(lambda: read("/scratch/d/etc/passwd"))
+        out["moved_readlink"] = attempt(lambda: os.readlink("/scratch/d"))
+        out["stale_fd_stat"] = attempt(lambda: os.stat("inside", dir_fd=fd).st_size)
+        os.close(fd)
+        os.remove("/scratch/d")
+        os.remove("/scratch/d_old/inside")
+        for d in ("/scratch/d_old", "/scratch/a/b", "/scratch/a"):
+            os.rmdir(d)
+
+
     def cap(n, out):
         out["under_cap"] = attempt(lambda: write("/scratch/big", b"x" * (n // 2)))
         out["over_cap_stream"] = attempt(lambda: write("/scratch/big2", b"y" * n))
@@ -113,6 +138,8 @@ MAIN = textwrap.dedent(
         out = {"initial": sorted(os.listdir("/scratch"))}
         if input.get("exercise"):
             exercise(tag, out)
+        if input.get("moved_link"):
+            moved_link(out)
         if input.get("cap"):
             cap(input["cap"], out)
         write(f"/scratch/mine-{tag}", tag, "w")
@@ -194,6 +221,18 @@ def test_files_under_scratch_and_no_way_out(fs_rt, fs_wasm, sandboxes) -> None:
     assert len(sandboxes) == 1
     assert not sandboxes[0].exists()  # removed with the run
     assert not (sandboxes[0].parent / "x").exists()  # "/scratch/../x" made nothing beside it
+
+
+def test_moved_link_and_swapped_directory_stay_inside(fs_rt, fs_wasm, sandboxes) -> None:
+    out = _run(fs_rt, fs_wasm, {"tag": "m", "moved_link": True})
+    assert out["link_deep"] == ["ok", None]  # a/b/up -> ../.. is /scratch itself
+    assert out["via_deep"] == ["ok", ["a", "d"]]
+    assert out["fd_stat_before"] == ["ok", 1]  # stat-at below a directory descriptor
+    assert out["moved_list"] == ["err", "EPERM"]  # moved to /scratch/d it would point out
+    assert out["moved_open"] == ["err", "EPERM"]
+    assert out["moved_readlink"] == ["err", "EPERM"]
+    assert out["stale_fd_stat"] == ["err", "EPERM"]  # its directory is now that link
+    assert out["final"] == ["mine-m"]
 
 
 def test_scratch_size_cap(fs_rt, fs_wasm, sandboxes) -> None:

@@ -187,6 +187,16 @@ class Sandbox:
             parts = cand
         return tuple(parts)
 
+    def check(self, rel: tuple[str, ...]) -> None:
+        """``not-permitted`` if a component of ``rel`` is now a link (the OS would follow it)."""
+        for i in range(1, len(rel) + 1):
+            try:
+                mode = os.lstat(self.path(rel[:i])).st_mode
+            except OSError:
+                return  # gone: the call on it fails as the OS says
+            if st.S_ISLNK(mode):
+                raise _fail("not-permitted", "the directory was replaced by a link")
+
     def parent_and_name(self, base: tuple[str, ...], path: str) -> tuple[str, ...]:
         """The path of an entry to create, remove or rename: its last component is never
         followed, and it is never the descriptor's own directory or one above it."""
@@ -276,6 +286,9 @@ class Descriptor(Resource):
 
     @property
     def path(self) -> str:
+        """The directory's path, checked again: it may have been renamed away and a link
+        put in its place since it was opened."""
+        self.box.check(self.rel)
         return self.box.path(self.rel)
 
     def file_fd(self) -> int:
@@ -286,6 +299,7 @@ class Descriptor(Resource):
     def dir(self) -> tuple[str, ...]:
         if self.kind != "directory":
             raise _fail("not-directory")
+        self.box.check(self.rel)
         return self.rel
 
     def stat(self) -> os.stat_result:
