@@ -137,13 +137,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--real", action="store_true", help="also the real tiny model's forward")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch.set_num_threads (as bench/host_overhead.py)"
+    )
+    ap.add_argument("--label", default="", help="what the figures are (machine, tree), saved with them")
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
     counts = [int(c) for c in args.contexts.split(",")]
     result: dict[str, Any] = {
         "machine": platform.processor() or platform.machine(),
         "cpu": _cpu_name(),
         "steps": args.steps,
         "rounds": args.rounds,
+        "threads": args.threads,
+        "label": args.label,
     }
     for label, real in [("stand_in", False), *([("tiny_model", True)] if args.real else [])]:
         model = load(real, max(counts))

@@ -104,6 +104,9 @@ def _warm() -> None:
         one = np.ones(1)
         sample_rows(x, one, one.astype(np.int64), one * 0.5, one * 0.1, one * 0.5)
         kept_masks(x, one, one.astype(np.int64), one * 0.5, one * 0.1)
+        rows = x.numpy()
+        RowSoftmax(rows, [(1.0, 1)]).top(0, 1.0, 1)
+        RowSoftmax(rows, [(0.5, 1)]).top(0, 0.5, 1)
 
 
 def sample_rows(
@@ -146,6 +149,56 @@ def kept_masks(
     out = np.zeros(x.shape, dtype=np.bool_)
     kernels["masks"](x, x.view(np.int32), *_params(temperature, top_k, top_p, min_p), out)
     return out
+
+
+class RowSoftmax:
+    """The softmax statistics of rows of logits: each row's max (numpy's), log sum exp(x -
+    max), the entropy of softmax(x), and for a row with a dist that dist's normaliser at
+    its temperature and its block maxima (``sampling_kernel_jit.row_stats``: one read of
+    the row after the max, with the table exp of ``sample_rows`` and float32 sums per
+    block of 512 tokens, float64 across). ``x``: (R, V) float32, C-contiguous;
+    ``dists[r]``: the (temperature > 0, k) of a dist on row r, or None. A row whose max is
+    not finite (NaN, +inf, all -inf) has ``ok[r]`` False: the caller answers it another
+    way."""
+
+    def __init__(self, x: np.ndarray, dists: list[tuple[float, int] | None]):
+        kernels = _get()
+        assert kernels is not None, "RowSoftmax needs numba (check available())"
+        rows, vocab = x.shape
+        self._x = x
+        self._temps = np.ones(rows, dtype=np.float32)
+        self._ks = np.zeros(rows, dtype=np.int64)
+        for r, d in enumerate(dists):
+            if d is not None and d[0] > 0 and d[1] > 0:
+                self._temps[r], self._ks[r] = d
+        mx = x.max(axis=1) if vocab else np.full(rows, np.nan, dtype=np.float32)  # NaN where one is
+        out = np.full((rows, 3), np.nan)
+        self._block_keys = np.empty((rows, -(-vocab // 64)), dtype=np.int32)
+        if vocab:
+            kernels["row_stats"](x, x.view(np.int32), mx, self._temps, self._ks, out, self._block_keys)
+        self._mx = mx
+        self._out = out
+        self.ok: list[bool] = np.isfinite(out[:, 0]).tolist()
+        self.mx: list[float] = mx.tolist()
+        self.log_s: list[float] = out[:, 0].tolist()
+        self.entropy: list[float] = out[:, 1].tolist()
+
+    def top(self, r: int, temperature: float, k: int) -> tuple[list[int], list[float]]:
+        """softmax(row r / temperature)'s ``k`` most probable tokens (0 < k <= vocabulary,
+        temperature > 0, ``ok[r]``), most probable first (by logit, equal logits by lower
+        id), float32 probabilities, zeros left out."""
+        temp = np.float32(temperature)
+        if not (self._ks[r] > 0 and self._temps[r] == temp):  # not the one summed with the row
+            return RowSoftmax(self._x[r : r + 1], [(temperature, k)]).top(0, temperature, k)
+        kernels = _get()
+        assert kernels is not None
+        row = self._x[r]
+        cand = np.empty(row.shape[0], dtype=np.int64)
+        ids = np.empty(k, dtype=np.int64)
+        probs = np.empty(k, dtype=np.float32)
+        mx_t = np.float32(self._mx[r] / temp)
+        n = kernels["top_dist"](row, temp, k, mx_t, self._out[r, 2], self._block_keys[r], cand, ids, probs)
+        return ids[:n].tolist(), probs[:n].tolist()
 
 
 def _second_thread() -> ThreadPoolExecutor | None:

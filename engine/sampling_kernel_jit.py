@@ -19,7 +19,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["BINS", "WIDEST", "batch", "masks"]
+__all__ = ["BINS", "WIDEST", "batch", "masks", "row_stats", "top_dist"]
 
 BINS = 4096  # = sampling_kernel.BINS (tests/engine/test_sampling_kernel.py checks)
 WIDEST = 1 / 64  # = sampling_kernel.WIDEST
@@ -423,3 +423,189 @@ def masks(x, bits, temps, ks, ps, ms, out):
         mark(row, temp, bins, cb, ct, ci, ids, vals, idx, hits)
         for j in range(vocab):
             out[r, j] = e[j] > 0 and bins[j] <= cb
+
+
+# -- softmax statistics of a row, for a forward pass's scoring slots (engine.slots) --------
+SUM_BLOCK = 512  # tokens summed in float32 lanes (vectorised) before a float64 add
+MAX_BLOCK = 64  # tokens per block whose max a dist keeps (its candidates)
+
+
+@fast
+def table_exp(d):
+    """exp(-d) for 0 <= d < 63.99 as ``exps`` computes it (table times polynomial)."""
+    b = np.int32(d * np.float32(64.0))
+    r = d - np.float32(b) * np.float32(1.0 / 64.0)
+    poly = one - r * (one - r * (half - r * (sixth - r * twentyfourth)))
+    return table[np.uint32(b) & np.uint32(4095)] * poly
+
+
+@fast
+def exp_sums(x, temp, mx):
+    """(sum e, sum e * d) over a row, e = exp(-d), d = mx - x / temp (mx: the max of
+    x / temp). Tokens past 63.99 below the max (under e^-64 of the top one's; -inf
+    included) add 0. Float32 sums per block of ``SUM_BLOCK`` tokens, float64 across."""
+    cap = np.float32(63.99)
+    zero = np.float32(0.0)
+    s_all = 0.0
+    w_all = 0.0
+    n = x.shape[0]
+    full = n // SUM_BLOCK
+    for c in range(full + 1):
+        base = c * SUM_BLOCK
+        count = SUM_BLOCK if c < full else n - base
+        s = zero
+        w = zero
+        if temp == one:  # no division (the raw logits' statistics)
+            for i in range(count):
+                d = mx - x[base + i]
+                de = d if d < cap else cap
+                e = table_exp(de)
+                e = e if d < cap else zero
+                s += e
+                w += e * de
+        else:
+            for i in range(count):
+                d = mx - x[base + i] / temp
+                de = d if d < cap else cap
+                e = table_exp(de)
+                e = e if d < cap else zero
+                s += e
+                w += e * de
+        s_all += s
+        w_all += w
+    return s_all, w_all
+
+
+@fast
+def block_keys(bits, keys):
+    """keys[c]: the largest order key (as ``extremes``) of block c of ``MAX_BLOCK``
+    tokens (a row's float32 bits as int32); returns whether the row holds a NaN. An
+    integer max vectorises where a float one (NaN rules) does not. (Measured here: a
+    max, then ``exp_sums``, cost less than one read doing both, 60 vs 87 us a row, that
+    one's float max and rescaling included.)"""
+    n = bits.shape[0]
+    full = n // MAX_BLOCK
+    nan = np.int32(0)
+    for c in range(-(-n // MAX_BLOCK)):  # keys holds one per block, the last maybe partial
+        base = c * MAX_BLOCK
+        count = MAX_BLOCK if c < full else n - base
+        hi = np.int32(-2147483648)
+        for i in range(count):
+            b = bits[base + i]
+            k = np.int32(b ^ np.int32(np.int32(b >> 31) & np.int32(0x7FFFFFFF)))
+            hi = np.int32(k if k > hi else hi)
+            nan = np.int32(nan | np.int32(np.int32(b & 0x7FFFFFFF) > np.int32(0x7F800000)))
+        keys[c] = hi
+    return nan != 0
+
+
+@njit
+def key_value(key):
+    """The float32 whose order key (as ``extremes``) is ``key``."""
+    out = np.empty(1, dtype=np.int32)
+    out[0] = key ^ ((key >> 31) & 0x7FFFFFFF)
+    return out.view(np.float32)[0]
+
+
+@njit
+def row_stats(x, bits, mxs, temps, ks, out, keys):
+    """Per row r of ``x`` (``bits``: its int32 view; ``mxs[r]``: its max, NaN if it holds
+    one): out[r] = (log sum exp(x - max), the entropy of softmax(x) (log s + sum e * d /
+    s), and for a dist on the row (ks[r] > 0, at temps[r]) log sum exp(x / temp - max /
+    temp)); keys[r]: for such a row, each block's max as an order key (``block_keys``,
+    the dist's candidates). A row whose max is not finite (NaN, +inf, no finite token)
+    keeps NaN in out[r]. One read of the row after the max, two with a dist (three at
+    another temperature than 1)."""
+    for r in range(x.shape[0]):
+        mx = mxs[r]
+        if not (-np.inf < mx < np.inf):
+            continue
+        row = x[r]
+        s, w = exp_sums(row, one, mx)
+        out[r, 0] = math.log(s)
+        out[r, 1] = math.log(s) + w / s
+        temp = temps[r]
+        if ks[r] > 0:
+            block_keys(bits[r], keys[r])
+            if temp == one:
+                out[r, 2] = out[r, 0]
+            else:
+                out[r, 2] = math.log(exp_sums(row, temp, np.float32(mx / temp))[0])
+
+
+@njit
+def take_top(x, temp, k, cand, n, best_t, best_id):
+    """The ``k`` largest x / temp of the tokens ``cand[:n]`` (ids ascending) into
+    ``best_t`` / ``best_id``, largest first, equal values by lower id (-inf / -1 pad)."""
+    best_t[:] = -np.inf
+    best_id[:] = -1
+    for i in range(n):  # ids ascending: a later token enters only with a larger value
+        t = x[cand[i]] / temp
+        if t > best_t[k - 1]:
+            at = k - 1
+            while at > 0 and best_t[at - 1] < t:
+                best_t[at] = best_t[at - 1]
+                best_id[at] = best_id[at - 1]
+                at -= 1
+            best_t[at] = t
+            best_id[at] = cand[i]
+
+
+@njit
+def top_dist(x, temp, k, mx_t, log_s, keys, cand, ids_out, probs_out):
+    """softmax(x / temp)'s ``k`` most probable tokens into ``ids_out`` / ``probs_out``
+    (float32 probabilities; by x / temp descending, equal values by lower id; zeros left
+    out); returns how many. ``mx_t``: the max of x / temp, ``log_s``: log sum exp(x / temp
+    - mx_t); ``keys``: the row's block maxima as order keys (``row_stats``). The k
+    largest block maxima are k tokens, so the row's k-th largest value is at least the
+    k-th of them: only the blocks whose max reaches it are read (k of them, more on
+    ties). Where the temperature's rounding could make a token below that tie the k-th
+    value, the row is read again."""
+    nb = keys.shape[0]
+    block_bits = np.empty(nb, dtype=np.int32)
+    for c in range(nb):
+        block_bits[c] = keys[c] ^ ((keys[c] >> 31) & 0x7FFFFFFF)
+    block_max = block_bits.view(np.float32)
+    top = np.full(k, -np.inf, dtype=np.float32)  # the k largest block maxima, ascending
+    for c in range(nb):
+        v = block_max[c]
+        if v > top[0]:
+            i = 0
+            while i + 1 < k and top[i + 1] < v:
+                top[i] = top[i + 1]
+                i += 1
+            top[i] = v
+    thr = top[0]
+    if temp != one:  # a few steps lower: x just below may divide to the same value
+        for _ in range(int(temp) + 2):
+            thr = np.nextafter(thr, np.float32(-np.inf))
+    n = 0
+    vocab = x.shape[0]
+    for c in range(nb):
+        if block_max[c] >= thr:
+            for j in range(c * MAX_BLOCK, min(vocab, c * MAX_BLOCK + MAX_BLOCK)):
+                if x[j] >= thr:
+                    cand[n] = j
+                    n += 1
+    best_t = np.empty(k, dtype=np.float32)
+    best_id = np.empty(k, dtype=np.int64)
+    take_top(x, temp, k, cand, n, best_t, best_id)
+    below = np.nextafter(thr, np.float32(-np.inf)) / temp  # the most a token left out can have
+    if n < k or not below < best_t[k - 1]:  # read every token that could tie the k-th
+        kth = best_t[k - 1]
+        n = 0
+        for j in range(vocab):
+            if x[j] / temp >= kth:
+                cand[n] = j
+                n += 1
+        take_top(x, temp, k, cand, n, best_t, best_id)
+    norm = np.float64(mx_t) + log_s
+    m = 0
+    for i in range(k):
+        if best_id[i] >= 0:
+            p = np.float32(math.exp(np.float64(best_t[i]) - norm))
+            if p > 0:
+                ids_out[m] = best_id[i]
+                probs_out[m] = p
+                m += 1
+    return m

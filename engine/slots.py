@@ -5,9 +5,15 @@ A pass carries any number of slots, each reading one of its rows: a sampled toke
 (multinomial, top-k, top-p, min-p, top-k-top-p, with temperature), the top-k distribution
 (``dist``), the raw logits, log-probabilities of chosen tokens, the entropy, or the row's
 final hidden state. ``compute`` answers all of a pass's slots from the logits the pass
-computed (one row per distinct slot row), without a second pass, on the logits' device:
-token slots are drawn in one ``engine.sampling.sample`` call, log-probabilities and
-entropies come from one ``log_softmax`` over the rows that ask for them.
+computed (one row per distinct slot row), without a second pass: token slots are drawn
+in one ``engine.sampling.sample`` call; log-probabilities, entropies and dists come from
+each row's softmax statistics (max, log-sum-exp, entropy, a dist's top-k), computed once
+per row whatever and however many slots read it. On the CPU that is one compiled read of
+the row after its max (``engine.sampling_kernel.RowSoftmax``: no exp or log-softmax row
+is written, a dist reads only the blocks that can hold its top k), where torch's
+``logsumexp``, ``exp`` and ``topk`` over the 151,936-token row cost ~0.65 ms a row
+(bench/forward_pass.py: a pass with a dist, an entropy and a logprobs slot went from
+7.3x to ~1x a one-slot pass per extra slot); elsewhere torch on the logits' device.
 
 Semantics (Pie 0.4.0's ``inference.wit``): ``raw_logits``, ``logprob(s)`` and ``entropy``
 see the unscaled logits (no temperature, no logit mask); ``dist`` is softmax(logits / T),
@@ -21,9 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
-from engine import sampling
+from engine import sampling, sampling_kernel
 from engine.errors import InvalidRequestError
 from media import check_int, check_number
 
@@ -218,30 +225,26 @@ def compute(
         drawn = sampling.sample(rows, [requests[i].slot.sampler for i in tokens], gens).tolist()  # type: ignore[misc]
         for i, t in zip(tokens, drawn, strict=True):
             out[i] = SlotToken(int(t))
-    scored = [i for i, r in enumerate(requests) if r.slot.kind in ("logprob", "logprobs", "entropy")]
+    scored = [i for i, r in enumerate(requests) if r.slot.kind in _SCORED]
     if scored:
         assert logits is not None
-        at = sorted({logit_row[i] for i in scored})
-        where = {r: j for j, r in enumerate(at)}
-        x = logits if len(at) == logits.shape[0] else logits[torch.tensor(at, device=logits.device)]
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # log p = x - lse: no log-softmax row
-        entropy = None
-        if any(requests[i].slot.kind == "entropy" for i in scored):
-            # H = -sum p (x - lse) = lse - sum p x, with p = exp(x - lse); -inf logits add 0
-            p = torch.exp(x - lse)
-            entropy = (lse[:, 0] - (p * x.nan_to_num(neginf=0.0)).sum(dim=-1)).tolist()
+        dists: dict[int, tuple[float, int]] = {}
+        for i in scored:  # the first dist on a row is read with the row's statistics
+            slot = requests[i].slot
+            if slot.kind == "dist" and slot.sampler is not None and slot.sampler.temperature > 0:
+                dists.setdefault(logit_row[i], (slot.sampler.temperature, slot.top))
+        stats = _RowStats(logits, sorted({logit_row[i] for i in scored}), dists)
         for i in scored:
-            slot, j = requests[i].slot, where[logit_row[i]]
+            slot, row = requests[i].slot, logit_row[i]
             if slot.kind == "entropy":
-                assert entropy is not None
-                out[i] = SlotEntropy(float(entropy[j]))
+                out[i] = SlotEntropy(stats.entropy(row))
+            elif slot.kind == "dist":
+                assert slot.sampler is not None
+                out[i] = stats.dist(row, slot.sampler.temperature, slot.top)
             else:
-                out[i] = SlotLogprobs((x[j, list(slot.tokens)] - lse[j]).tolist())
+                out[i] = SlotLogprobs(stats.logprobs(row, slot.tokens))
     for i, r in enumerate(requests):
-        if r.slot.kind == "dist":
-            assert logits is not None and r.slot.sampler is not None
-            out[i] = _top_k_distribution(logits[logit_row[i]], r.slot.sampler.temperature, r.slot.top)
-        elif r.slot.kind == "raw_logits":
+        if r.slot.kind == "raw_logits":
             assert logits is not None
             out[i] = SlotLogits(logits[logit_row[i]].clone())
         elif r.slot.kind == "embedding":
@@ -249,6 +252,66 @@ def compute(
             out[i] = SlotEmbedding(hidden[hidden_row[i]].clone())
     assert all(o is not None for o in out)
     return out  # type: ignore[return-value]
+
+
+_SCORED = frozenset(("logprob", "logprobs", "entropy", "dist"))
+_KERNEL_DIST_MAX_K = 1024
+"""The largest dist the kernel answers (it keeps the k best by insertion); larger ones
+take torch's ``topk``."""
+
+
+class _RowStats:
+    """The softmax statistics of the rows a pass's scoring slots read (logprob(s), entropy,
+    dist), each row's computed once, whatever and however many slots read it: its max and
+    log sum exp (every logprob is x - max - log s), its entropy, and a dist's top-k. On the
+    CPU with numba one read of each row after its max (``engine.sampling_kernel.
+    RowSoftmax``); elsewhere, and for a row whose max is not finite, torch's
+    ``logsumexp`` on the logits' device (the rows' together)."""
+
+    def __init__(self, logits: torch.Tensor, rows: list[int], dists: dict[int, tuple[float, int]]):
+        self._logits = logits
+        self._rows = rows
+        self._where = {r: j for j, r in enumerate(rows)}
+        self._fast: sampling_kernel.RowSoftmax | None = None
+        self._x: np.ndarray | None = None
+        self._lse: torch.Tensor | None = None
+        if logits.device.type == "cpu" and sampling_kernel.available():
+            x = logits.detach().to(torch.float32)
+            x = (x if len(rows) == x.shape[0] else x[torch.tensor(rows)]).contiguous().numpy()
+            self._x = x
+            self._fast = sampling_kernel.RowSoftmax(x, [dists.get(r) for r in rows])
+
+    def _torch(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits row, its logsumexp) by torch, every row's at once."""
+        if self._lse is None:
+            rows = self._rows
+            x = self._logits if len(rows) == self._logits.shape[0] else self._logits[torch.tensor(rows)]
+            self._lse = torch.logsumexp(x.to(self._logits.device), dim=-1)
+        return self._logits[self._rows[j]], self._lse[j]
+
+    def logprobs(self, row: int, tokens: tuple[int, ...]) -> list[float]:
+        j, fast = self._where[row], self._fast
+        if fast is not None and fast.ok[j]:
+            assert self._x is not None
+            return (self._x[j, list(tokens)] - (fast.mx[j] + fast.log_s[j])).tolist()
+        x, lse = self._torch(j)
+        return (x[list(tokens)] - lse).tolist()
+
+    def entropy(self, row: int) -> float:
+        j, fast = self._where[row], self._fast
+        if fast is not None and fast.ok[j]:
+            return fast.entropy[j]
+        # H = -sum p (x - lse) = lse - sum p x, with p = exp(x - lse); -inf logits add 0
+        x, lse = self._torch(j)
+        return float(lse - (torch.exp(x - lse) * x.nan_to_num(neginf=0.0)).sum())
+
+    def dist(self, row: int, temperature: float, k: int) -> SlotDistribution:
+        if temperature == 0:
+            return SlotDistribution([int(sampling.argmax(self._logits[row][None])[0])], [1.0])
+        j, fast = self._where[row], self._fast
+        if fast is not None and fast.ok[j] and k <= min(_KERNEL_DIST_MAX_K, self._logits.shape[-1]):
+            return SlotDistribution(*fast.top(j, temperature, k))
+        return _top_k_distribution(self._logits[row], temperature, k)
 
 
 def _top_k_distribution(row: torch.Tensor, temperature: float, k: int) -> SlotDistribution:
