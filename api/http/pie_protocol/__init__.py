@@ -5,7 +5,10 @@ auth.py      auth_identify (auth off: the magic reply; else a challenge) / auth_
              (Ed25519, ECDSA, RSA) / auth_by_token (an API key): the session's caller
 programs.py  check_program, the chunked add_program, installs per tenant in the inferlet store
 processes.py launch / attach / terminate / list / signal over the server's run table; events
-session.py   one connection: dispatch by type, answers and events through one writer
+mcp_relay.py register_mcp_server / mcp_request / mcp_response: the relay the WIT host's
+             pie:mcp/client calls (mcp_call, submit, client_for; see its docstring)
+session.py   one connection: dispatch by type, answers and events (files as chunks) through
+             one writer; transfer_file to the run; launch_daemon refused clearly
 route.py     the WebSocket route at ``/``
 """
 

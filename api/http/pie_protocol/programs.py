@@ -9,7 +9,9 @@ protocol adds is kept beside it: ``<state>/pie_programs/<tenant mark>/<name>@<ve
 
 Uploads are keyed by the request's ``corr_id`` (one response per upload): chunk 0 first,
 then in order, ``total_chunks`` and ``program_hash`` the same in every chunk, the bytes
-under a cap; a stream that stops part-way is answered (ok:false) after an idle timeout."""
+under a cap; a stream that stops part-way is answered (ok:false) after an idle timeout.
+``transfer_file`` uploads (keyed by process id and file hash) go through the same checks
+(``Uploads(kind="transfer_file")``)."""
 
 from __future__ import annotations
 
