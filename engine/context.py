@@ -898,19 +898,13 @@ class Context(WorkingPages):
         mismatch, the last row or ``emit`` returning True (a stop) ends it. The kept rows
         stay, the rest are rolled back, and a sampled (not drafted) last token joins the
         context pending."""
-        count = kept = 0
-        for i, row in enumerate(rows):
-            token = self._pick(row, sampler, matcher, adjust)
-            count += 1
-            stopped = emit(token, row)
-            if i < len(drafts) and token == drafts[i]:
-                kept += 1
-            if stopped or i == len(drafts) or token != drafts[i]:
-                break
+        tokens, kept = accept_drafts(
+            rows, drafts, lambda row: self._pick(row, sampler, matcher, adjust), emit
+        )
         if drafts:
             self._settle(len(drafts), kept, rows)
-        if kept < count:
-            self._append_text([token])
+        if kept < len(tokens):
+            self._append_text([tokens[-1]])
 
     def _pick(
         self,
@@ -918,9 +912,11 @@ class Context(WorkingPages):
         sampler: sampling.Sampler,
         matcher: GrammarMatcher | None,
         adjust: PenaltyState | None = None,
+        generator: torch.Generator | None = None,
     ) -> int:
         """The next token from one row of logits (penalties, grammar mask, then the sampler
-        and this context's generator); the matcher and the penalty counts advance past it."""
+        and ``generator``, default this context's); the matcher and the penalty counts
+        advance past it."""
         drawn = self._sample_hint
         if (
             drawn is not None
@@ -937,7 +933,7 @@ class Context(WorkingPages):
             token = hint[1]  # the runner read it with the whole pass's argmaxes
         else:
             scores = logits if matcher is None else matcher.mask(logits)
-            token = int(sampling.sample(scores[None], sampler, self._rng())[0])
+            token = int(sampling.sample(scores[None], sampler, generator or self._rng())[0])
         if matcher is not None:
             matcher.accept(token)
         if adjust is not None:
@@ -1478,6 +1474,31 @@ class _Staged(NamedTuple):
 class _Submitted(NamedTuple):
     step: StepInput
     future: asyncio.Future
+
+
+def accept_drafts(
+    rows: Sequence[torch.Tensor],
+    drafts: Sequence[int],
+    pick: Callable[[torch.Tensor], int],
+    emit: Callable[[int, torch.Tensor], bool] | None = None,
+) -> tuple[list[int], int]:
+    """The rule of speculative verification, for ``generate``'s drafts and jump-forward,
+    ``verify_draft`` and a forward pass's speculative tokens alike: ``pick`` a token from
+    each row in order (row i: the distribution after ``drafts[:i]``); a drafted token is
+    kept while it is what was picked, and the first mismatch, the last row or ``emit``
+    returning True (a stop) ends it. Returns the picked tokens and how many of them were
+    the drafts' (the last token is a draft's only when a stop came on it)."""
+    tokens: list[int] = []
+    kept = 0
+    for i, row in enumerate(rows):
+        token = pick(row)
+        tokens.append(token)
+        stopped = emit is not None and emit(token, row)
+        if i < len(drafts) and token == drafts[i]:
+            kept += 1
+        if stopped or i == len(drafts) or token != drafts[i]:
+            break
+    return tokens, kept
 
 
 def _token_of(step: StepInput) -> int | None:

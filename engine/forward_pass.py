@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from engine import brle, sampling
-from engine.context import MM_TYPES, Context, Row, Span
+from engine.context import MM_TYPES, Context, Row, Span, accept_drafts
 from engine.drafting import PromptLookupDrafter
 from engine.errors import EngineError, InvalidRequestError
 from engine.lora import Adapter
@@ -499,19 +499,17 @@ class ForwardPass:
         self, request: SlotRequest, logits: torch.Tensor, at: list[int], logit_mask: torch.Tensor | None
     ) -> tuple[list[int], int]:
         """Sample the verifying slot at the last input row and every draft row; keep the
-        drafts it agrees with, then its own next token."""
+        drafts it agrees with, then its own next token (``engine.context.accept_drafts``
+        with the context's ``_pick``, as ``generate`` and ``verify_draft`` verify)."""
         rows = logits[torch.tensor(at, device=logits.device)]
         if logit_mask is not None:
             rows = rows.masked_fill(~logit_mask.to(rows.device), float("-inf"))
-        assert request.slot.sampler is not None
-        gen = request.generator or self._ctx._rng()
-        drawn: list[int] = []
-        for i, draft in enumerate([*[r.token for r in self._drafts], None]):
-            t = int(sampling.sample(rows[i : i + 1], request.slot.sampler, gen)[0])
-            drawn.append(t)
-            if t != draft:
-                break
-        return drawn, len(drawn) - 1
+        sampler = request.slot.sampler
+        assert sampler is not None
+        ctx, gen = self._ctx, request.generator
+        return accept_drafts(
+            rows, [r.token for r in self._drafts], lambda row: ctx._pick(row, sampler, None, None, gen)
+        )
 
     def _propose(
         self, start: int, rows: list[Any], n_in: int, out: PassOutput
