@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -101,6 +102,20 @@ def media_position_span(prepared: Prepared) -> int:
     """How far the position cursor moves past a media item's placeholder rows (Pie's
     ``position-span``: the token count on 1-D RoPE, max(t, h, w) on M-RoPE)."""
     return placeholder_span(prepared).position_span
+
+
+_VOCAB: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _vocab_size(model: Any) -> int:
+    """``model.arch.vocab_size``, read once per model: it goes through transformers'
+    config attribute lookups (0.8 us a read here, 0.1 us from this cache, against a
+    one-token pass's ~40 us of host work), and every pass checks its tokens and each of
+    its slots against it."""
+    vocab = _VOCAB.get(model)
+    if vocab is None:
+        vocab = _VOCAB[model] = model.arch.vocab_size
+    return vocab
 
 
 @dataclass
@@ -238,7 +253,7 @@ class ForwardPass:
             slot = Slot.sample(slot)
         if not isinstance(slot, Slot):
             raise ForwardPassError(f"a sampler slot is an engine Slot or Sampler, got {type(slot).__name__}")
-        check_slot(slot, self._ctx.model.arch.vocab_size)
+        check_slot(slot, _vocab_size(self._ctx.model))
         rows = [check_int("sampler index", i, min=0) for i in indices]
         if not rows:
             raise ForwardPassError("sampler() needs at least one row index")
@@ -380,7 +395,7 @@ class ForwardPass:
             ids = [operator.index(t) for t in tokens]
         except TypeError as e:
             raise ForwardPassError(f"token ids are integers: {e}") from None
-        vocab = self._ctx.model.arch.vocab_size
+        vocab = _vocab_size(self._ctx.model)
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             bad = [t for t in ids if not 0 <= t < vocab]
             raise ForwardPassError(f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -479,7 +494,7 @@ class ForwardPass:
         m = self._logit_mask
         if m is None:
             return None
-        vocab = self._ctx.model.arch.vocab_size
+        vocab = _vocab_size(self._ctx.model)
         if isinstance(m, torch.Tensor):
             if tuple(m.shape) != (vocab,):
                 raise ForwardPassError(f"the logit mask is {tuple(m.shape)}; it must be ({vocab},)")
