@@ -193,11 +193,10 @@ class RowSoftmax:
         kernels = _get()
         assert kernels is not None
         row = self._x[r]
-        cand = np.empty(row.shape[0], dtype=np.int64)
         ids = np.empty(k, dtype=np.int64)
         probs = np.empty(k, dtype=np.float32)
         mx_t = np.float32(self._mx[r] / temp)
-        n = kernels["top_dist"](row, temp, k, mx_t, self._out[r, 2], self._block_keys[r], cand, ids, probs)
+        n = kernels["top_dist"](row, temp, k, mx_t, self._out[r, 2], self._block_keys[r], ids, probs)
         return ids[:n].tolist(), probs[:n].tolist()
 
 

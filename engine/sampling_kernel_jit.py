@@ -552,7 +552,7 @@ def take_top(x, temp, k, cand, n, best_t, best_id):
 
 
 @njit
-def top_dist(x, temp, k, mx_t, log_s, keys, cand, ids_out, probs_out):
+def top_dist(x, temp, k, mx_t, log_s, keys, ids_out, probs_out):
     """softmax(x / temp)'s ``k`` most probable tokens into ``ids_out`` / ``probs_out``
     (float32 probabilities; by x / temp descending, equal values by lower id; zeros left
     out); returns how many. ``mx_t``: the max of x / temp, ``log_s``: log sum exp(x / temp
@@ -579,8 +579,12 @@ def top_dist(x, temp, k, mx_t, log_s, keys, cand, ids_out, probs_out):
     if temp != one:  # a few steps lower: x just below may divide to the same value
         for _ in range(int(temp) + 2):
             thr = np.nextafter(thr, np.float32(-np.inf))
-    n = 0
     vocab = x.shape[0]
+    hit = 0
+    for c in range(nb):
+        hit += block_max[c] >= thr
+    cand = np.empty(hit * MAX_BLOCK, dtype=np.int64)
+    n = 0
     for c in range(nb):
         if block_max[c] >= thr:
             for j in range(c * MAX_BLOCK, min(vocab, c * MAX_BLOCK + MAX_BLOCK)):
@@ -593,6 +597,7 @@ def top_dist(x, temp, k, mx_t, log_s, keys, cand, ids_out, probs_out):
     below = np.nextafter(thr, np.float32(-np.inf)) / temp  # the most a token left out can have
     if n < k or not below < best_t[k - 1]:  # read every token that could tie the k-th
         kth = best_t[k - 1]
+        cand = np.empty(vocab, dtype=np.int64)
         n = 0
         for j in range(vocab):
             if x[j] / temp >= kth:
