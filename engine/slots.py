@@ -293,7 +293,8 @@ class _RowStats:
         j, fast = self._where[row], self._fast
         if fast is not None and fast.ok[j]:
             assert self._x is not None
-            return (self._x[j, list(tokens)] - (fast.mx[j] + fast.log_s[j])).tolist()
+            row, lse = self._x[j], fast.mx[j] + fast.log_s[j]
+            return [float(row[t]) - lse for t in tokens]
         x, lse = self._torch(j)
         return (x[list(tokens)] - lse).tolist()
 
