@@ -232,10 +232,13 @@ def _error_value(t: Any, e: BaseException) -> Any:
     msg = getattr(e, "message", None) or str(e) or type(e).__name__
     text = f"{code}: {msg}" if code else msg
     if isinstance(t, wc.RecordType):  # pie:mcp/types.error
+        rpc = getattr(e, "rpc_code", code if isinstance(code, int) else -32603)
         r = wc.Record()
-        r.code = int(getattr(e, "rpc_code", -32603))
-        r.message = text
-        r.data = None
+        r.code = int(rpc)
+        r.message = msg if isinstance(code, int) else text
+        data = getattr(e, "data_json", None)
+        data = data() if callable(data) else data if data is not None else getattr(e, "data", None)
+        r.data = data if isinstance(data, str) or data is None else None
         return r
     return text[:8000]
 

@@ -152,6 +152,21 @@ class PieHost:
     def wait_for(self, coro: Any) -> Any:
         return self.state.wait_for(coro)
 
+    def wait_future(self, fut: Any) -> Any:
+        """The result of a ``concurrent.futures.Future`` (another thread's work), waiting no
+        longer than the run may: cancel or the deadline ends the wait with their error."""
+        import concurrent.futures
+
+        while True:
+            try:
+                return fut.result(timeout=0.05)
+            except concurrent.futures.TimeoutError:
+                try:
+                    self.state.check()
+                except Exception:
+                    fut.cancel()
+                    raise
+
     def output_stream(self, name: str) -> OutputStream:
         st = self.state
         if name not in self._outputs:

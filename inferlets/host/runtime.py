@@ -35,7 +35,7 @@ from inferlets.host.iface_media import MediaCalls
 from inferlets.host.iface_runtime import ModelCalls, RuntimeCalls
 from inferlets.host.iface_speech import SpeechCalls
 from inferlets.host.limits import RunLimits
-from inferlets.host.pie_world import PieHost, is_pie_world, link_pie_world, run_export
+from inferlets.host.pie_world import PieHost, check_imports, is_pie_world, link_pie_world, run_export
 from inferlets.host.state import RunState
 from media import cache_scope, use_cache_scope
 from media.errors import PieMediaError
@@ -130,6 +130,7 @@ class InferletRuntime:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.limits = limits or RunLimits()
         self._components: dict[str, wc.Component] = {}
+        self._worlds: dict[str, bool] = {}
         self._lock = threading.Lock()
         # Guests spend most of their time waiting on host calls: one thread each, more than
         # asyncio's default executor gives (cores + 4), so concurrent runs batch together.
@@ -158,6 +159,41 @@ class InferletRuntime:
                 tmp.replace(path)
             self._components[key] = comp
             return key, comp
+
+    def check_component(self, wasm: bytes | Path) -> str:
+        """Compile (cached) and check a component is one this host runs; its world's name:
+        ``"pie"`` (Pie 0.4.0's world: every import one this host serves, a ``<pkg>/run``
+        export) or ``"pie:media"`` (this project's own world: its imports, a ``run``
+        export). ``InvalidComponentError`` names what does not fit."""
+        key, comp = self.component(wasm)
+        imports = list(comp.type.imports(self.engine))
+        exports = list(comp.type.exports(self.engine))
+        if self.is_pie_world(wasm):
+            check_imports(self.engine, comp)
+            if not any(e.split("@", 1)[0].endswith("/run") for e in exports):
+                raise InvalidComponentError(
+                    "the component exports no <package>/run interface (Pie's run entry point)"
+                )
+            return "pie"
+        foreign = sorted(i for i in imports if i.startswith("pie:") and not i.startswith(f"{PACKAGE}/"))
+        if foreign:
+            raise InvalidComponentError(
+                f"the component imports {', '.join(foreign[:4])}, which neither world this host serves "
+                f"(Pie 0.4.0's pie:core/instruct/mcp/zo, pie-media's {PACKAGE}@{VERSION}) has",
+                interface=foreign[0],
+            )
+        if "run" not in exports:
+            raise InvalidComponentError(f"the component exports no run function (world {PACKAGE}/inferlet)")
+        return PACKAGE
+
+    def is_pie_world(self, wasm: bytes | Path) -> bool:
+        """Whether the component is of Pie 0.4.0's world (it takes one input JSON string)
+        rather than pie-media's own ``pie:media`` world (a list of arguments)."""
+        key, comp = self.component(wasm)
+        found = self._worlds.get(key)
+        if found is None:
+            found = self._worlds[key] = is_pie_world(self.engine, comp)
+        return found
 
     def run(
         self,

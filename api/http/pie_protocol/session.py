@@ -40,7 +40,8 @@ from api.http.audit import audit
 from api.http.errors import ServiceError
 from api.http.pie_protocol import framing
 from api.http.pie_protocol.auth import Auth
-from api.http.pie_protocol.mcp_relay import RELAY, McpEndpoint
+from api.http.pie_protocol.children import child_launcher
+from api.http.pie_protocol.mcp_relay import RELAY, McpEndpoint, client_for
 from api.http.pie_protocol.processes import LaunchError, ProcessHub, args_of, budget_of
 from api.http.pie_protocol.programs import (
     ProgramError,
@@ -52,6 +53,7 @@ from api.http.pie_protocol.programs import (
     split_ref,
 )
 from api.http.tenancy import enter
+from inferlets.pie_project import PieManifest
 from media.errors import PieMediaError
 
 log = logging.getLogger("pie_media.pie_protocol")
@@ -367,6 +369,28 @@ class Session:
             raise Reply("the inferlet host starts with the models; retry shortly")
         return self.service.inferlets
 
+    def _args(self, runtime: Any, program: Any, path: Any, input_text: Any) -> list[str]:
+        """The run's arguments: a Pie-world component takes the input JSON itself, checked
+        against its Pie.toml's ``[parameters]``; a ``pie:media`` one the argument list
+        ``args_of`` reads from it. Children it launches reach this tenant's programs."""
+        if runtime.launch_child is None:
+            runtime.launch_child = child_launcher(self.service, self.programs, asyncio.get_running_loop())
+        if not runtime.is_pie_world(path):
+            return args_of(input_text)
+        if input_text is not None and not isinstance(input_text, str):
+            raise Reply(f"input must be JSON text (a string), got {type(input_text).__name__}")
+        text = input_text if input_text and input_text.strip() else "{}"
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise Reply(f"input is not JSON: {e}") from None
+        if program.manifest:
+            try:
+                PieManifest.parse(program.manifest).check_input(value)
+            except PieMediaError as e:
+                raise Reply(f"{e.code}: {e.message}") from None
+        return [text]
+
     def _program(self, ref: Any) -> tuple[Any, Any]:
         """(program, component path) of ``name@version`` for this session's tenant."""
         name, version = split_ref(ref)
@@ -451,7 +475,8 @@ class Session:
                 f"this connection has {len(self._live)} processes running, its maximum "
                 f"({MAX_LIVE_PROCESSES}); wait for one to end or terminate one"
             )
-        args, token_budget = args_of(input_text), budget_of(budget)
+        token_budget = budget_of(budget)
+        args = self._args(runtime, program, path, input_text)
         admitted = self._admit()
         try:
             rec = self.hub.launch(
@@ -474,8 +499,10 @@ class Session:
             limiter = self.service.key_limits
             rec.task.add_done_callback(lambda _t: limiter.release(*admitted))
         self._live.add(rec.id)
+        rec.control.username = self.caller.name or ""
         if self.mcp is not None:
             RELAY.bind(rec.control, self.mcp, rec.id)
+        rec.control.mcp = client_for(rec.control)
         audit("create", "inferlet_run", rec.id, inferlet=program.inferlet_id, program=program.ref, via="pie")
         return rec
 

@@ -1,11 +1,12 @@
-"""``pie:mcp/client``: MCP servers the run's client registered (Pie's relay: the client
-runs the servers on the user's side and the calls travel over its WebSocket). The host
-reaches them through ``host.mcp`` (the server wires the relay of the launching
-connection); a run without one lists no servers, and ``connect`` names the missing one."""
+"""``pie:mcp/client``: MCP servers the run's client registered (Pie's relay: the client runs
+the servers on the user's side and the calls travel over its WebSocket). The host reaches
+them through the run control's ``mcp`` (the server sets it to its relay's client for the
+run: ``available_servers()``, ``connect(name)`` -> a session whose calls return futures of
+the JSON-RPC result as JSON text). A run without one lists no servers, and ``connect``
+names the missing server. Errors are MCP error records (code, message, data)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from inferlets.host.binding import Interface, Resource, wit
@@ -22,66 +23,58 @@ class McpError(Exception):
 class McpSession(Resource):
     WIT = ("pie:mcp/client", "session")
 
-    def __init__(self, relay: Any, server: str):
-        self.relay = relay
+    def __init__(self, host: Any, session: Any, server: str):
+        self.host = host
+        self.session = session
         self.server = server
 
-    def call(self, method: str, params: dict[str, Any] | None = None) -> str:
-        result = self.relay.call(self.server, method, params or {})
-        return json.dumps(result)
-
-
-def _json_arg(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text) if text.strip() else {}
-    except ValueError as e:
-        raise McpError(f"arguments are not JSON: {e}", rpc_code=-32602) from None
-    if not isinstance(value, dict):
-        raise McpError("arguments must be a JSON object", rpc_code=-32602)
-    return value
+    def call(self, method: str, *args: Any) -> str:
+        return str(self.host.wait_future(getattr(self.session, method)(*args)))
 
 
 class Client(Interface):
     NAME = "pie:mcp/client"
     RESOURCES = (McpSession,)
 
+    def _relay(self) -> Any:
+        return self.host.mcp
+
     @wit("available-servers")
     def available_servers(self) -> list[str]:
-        relay = self.host.mcp
-        return sorted(relay.servers()) if relay is not None else []
+        relay = self._relay()
+        return sorted(relay.available_servers()) if relay is not None else []
 
     @wit("connect")
     def connect(self, name: str) -> McpSession:
-        relay = self.host.mcp
-        have = sorted(relay.servers()) if relay is not None else []
-        if name not in have:
+        relay = self._relay()
+        if relay is None:
             raise McpError(
-                f"no MCP server named {name!r} is registered for this run "
-                f"(registered: {have or 'none'}; a Pie client registers servers with register_mcp_server)",
-                rpc_code=-32601,
+                f"no MCP server named {name!r}: this run has no client relay (MCP servers are registered "
+                "by a connected Pie client with register_mcp_server)",
+                rpc_code=-32000,
             )
-        return McpSession(relay, name)
+        return McpSession(self.host, relay.connect(name), name)
 
     @wit("[method]session.list-tools")
     def list_tools(self, s: McpSession) -> str:
-        return s.call("tools/list")
+        return s.call("list_tools")
 
     @wit("[method]session.call-tool")
     def call_tool(self, s: McpSession, name: str, args: str) -> str:
-        return s.call("tools/call", {"name": name, "arguments": _json_arg(args)})
+        return s.call("call_tool", name, args)
 
     @wit("[method]session.list-resources")
     def list_resources(self, s: McpSession) -> str:
-        return s.call("resources/list")
+        return s.call("list_resources")
 
     @wit("[method]session.read-resource")
     def read_resource(self, s: McpSession, uri: str) -> str:
-        return s.call("resources/read", {"uri": uri})
+        return s.call("read_resource", uri)
 
     @wit("[method]session.list-prompts")
     def list_prompts(self, s: McpSession) -> str:
-        return s.call("prompts/list")
+        return s.call("list_prompts")
 
     @wit("[method]session.get-prompt")
     def get_prompt(self, s: McpSession, name: str, args: str) -> str:
-        return s.call("prompts/get", {"name": name, "arguments": _json_arg(args)})
+        return s.call("get_prompt", name, args)

@@ -88,7 +88,7 @@ def start_app(tmp: Path, **settings: Any) -> App:
 
     port = free_port()
     s = ServeSettings(
-        models=[],
+        models=settings.pop("models", []),
         port=port,
         state_dir=tmp / "state",
         inferlet_cache_dir=cache_root(),
