@@ -12,8 +12,10 @@ per row whatever and however many slots read it. On the CPU that is one compiled
 the row after its max (``engine.sampling_kernel.RowSoftmax``: no exp or log-softmax row
 is written, a dist reads only the blocks that can hold its top k), where torch's
 ``logsumexp``, ``exp`` and ``topk`` over the 151,936-token row cost ~0.65 ms a row
-(bench/forward_pass.py: a pass with a dist, an entropy and a logprobs slot went from
-7.3x to ~1x a one-slot pass per extra slot); elsewhere torch on the logits' device.
+(bench/forward_pass.py, 32 contexts, stand-in forward: a pass with a dist, an entropy
+and a logprobs slot beside its token went from 6.9x to 1.3x a one-slot pass per extra
+slot; the first scoring slot on a row pays ~110 us, each further one ~15 us); elsewhere
+torch on the logits' device.
 
 Semantics (Pie 0.4.0's ``inference.wit``): ``raw_logits``, ``logprob(s)`` and ``entropy``
 see the unscaled logits (no temperature, no logit mask); ``dist`` is softmax(logits / T),
