@@ -586,9 +586,12 @@ class Context(WorkingPages):
             if ahead is not None:
                 await self._drop_ahead(ahead)
 
-    def _enqueue_decode(self, request: SampleRequest | None, after: StepInput | None) -> _Submitted:
+    def _enqueue_decode(
+        self, request: SampleRequest | None, after: StepInput | None, pos: int | None = None
+    ) -> _Submitted:
         """Submit the decode step of the pending last row (``after`` None), or of the row
-        after it, whose token ``after``'s pass samples; the step's future comes back."""
+        after it, whose token ``after``'s pass samples, at position ``pos`` (default: the
+        cursor's); the step's future comes back."""
         start = len(self._rows) - (after is None)
         self._table.set_salt(self.adapters.identity(), start)
         if after is None:
@@ -599,7 +602,7 @@ class Context(WorkingPages):
             step = StepInput(
                 tokens=[-1],
                 positions=None,
-                pos=(self._cursor,) * self.model.arch.position_axes,
+                pos=(self._cursor if pos is None else pos,) * self.model.arch.position_axes,
                 kv_start=start,
                 pages=list(self._table.pages),
                 logits="last",
@@ -614,15 +617,18 @@ class Context(WorkingPages):
         inflight.append(submitted)
         return submitted
 
-    def _enqueue_ahead(self, request: SampleRequest | None, after: StepInput) -> _Submitted | None:
-        """``_enqueue_decode`` of the row after the pending one, or None (that row then
-        waits for its token): when its page is shared (reserving it would copy the page
-        the pending row's pass is writing) or no page is free."""
+    def _enqueue_ahead(
+        self, request: SampleRequest | None, after: StepInput, pos: int | None = None
+    ) -> _Submitted | None:
+        """``_enqueue_decode`` of the row after the pending one (or after a hand-built
+        pass's last row: a staged pass), or None (that row then waits for its token): when
+        its page is shared (reserving it would copy the page the pending row's pass is
+        writing) or no page is free."""
         start = len(self._rows)
         if self._table.shares(start, start + 1):
             return None
         try:
-            return self._enqueue_decode(request, after)
+            return self._enqueue_decode(request, after, pos)
         except OutOfPagesError:
             return None
 
@@ -749,31 +755,12 @@ class Context(WorkingPages):
 
     def _stage_after(self, step: StepInput, pos: int) -> None:
         """Submit the pass after ``step``'s (its row's token is what ``step`` draws), at the
-        row after the context's and position ``pos``; nothing when its page is shared or
-        the pool has none."""
-        row = step.kv_start + len(step.tokens)
-        if self._table.shares(row, row + 1):
-            return
-        try:
-            self._table.reserve(row, row + 1)
-        except OutOfPagesError:
-            return
-        nxt = StepInput(
-            tokens=[-1],
-            positions=None,
-            pos=(pos,) * self.model.arch.position_axes,
-            kv_start=row,
-            pages=self._table.pages,
-            logits="last",
-            adapters=self.adapters.items,
-            after=step,
-            sample=step.sample,
-        )
-        submitted = _Submitted(nxt, self.model.scheduler.enqueue(nxt))
-        if len(self._overlap) >= 4:
-            self._overlap[:] = [s for s in self._overlap if not s.future.done()]
-        self._overlap.append(submitted)
-        self._staged = _Staged(submitted, nxt.pos, self.adapters.items)
+        row after the context's and position ``pos``: the decode loop's step ahead
+        (``_enqueue_ahead``); nothing when its page is shared or the pool has none."""
+        assert step.kv_start + len(step.tokens) == len(self._rows), "staged after the context's last row"
+        submitted = self._enqueue_ahead(step.sample, step, pos)
+        if submitted is not None:
+            self._staged = _Staged(submitted, submitted.step.pos, self.adapters.items)
 
     def _staged_fits(
         self,
