@@ -253,3 +253,17 @@ def test_a_project_builds_alone(tmp_path, model) -> None:
         return await rt.run_async(wasm, ["{}"])
 
     assert asyncio.run(go()) == "done"
+
+
+def test_cli_builds_a_pie_project_and_checks_its_input(capsys) -> None:
+    """``pie-media inferlet build`` knows Pie's layout; ``run`` checks the input against the
+    project's [parameters] before anything runs."""
+    from api.cli import main
+
+    assert main(["inferlet", "build", str(EXAMPLES / "py-concurrency-test")]) == 0
+    wasm = capsys.readouterr().out.strip()
+    assert wasm.endswith(".wasm")
+    manifest = EXAMPLES / "python-example" / "Pie.toml"
+    code = main(["inferlet", "run", wasm, "--manifest", str(manifest), "--", '{"prompt": 3}'])
+    assert code == 2
+    assert "parameter 'prompt' must be string" in capsys.readouterr().err
