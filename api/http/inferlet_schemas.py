@@ -40,6 +40,9 @@ class RunLimitsRequest(BaseModel):
 class RunRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     args: list[str] = Field(default_factory=list, max_length=256)
+    input: dict[str, Any] | None = None
+    """For a component of Pie 0.4.0's world: its input object (what Pie's client sends; the
+    component gets it as its one JSON argument). Not with ``args``."""
     stream: bool = False
     """SSE: a ``send`` event per message the inferlet sends, then ``result`` or ``error``."""
     background: bool = False

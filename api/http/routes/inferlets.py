@@ -25,6 +25,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -198,6 +199,28 @@ def _raise_for(rec: RunRecord) -> None:
     raise ServiceError(code, message, run_id=rec.id, **{k: v for k, v in error.items() if k != "param"})
 
 
+def _args(runtime: Any, path: Any, body: RunRequest) -> list[str]:
+    """A Pie-world component's one argument is its input JSON (``input``, or ``args[0]``);
+    a ``pie:media`` component takes ``args``."""
+    if not runtime.is_pie_world(path):
+        if body.input is not None:
+            raise ServiceError(
+                "invalid_request", "input is for Pie-world components; this one takes args", param="input"
+            )
+        return body.args
+    if body.input is not None and body.args:
+        raise ServiceError("invalid_request", "give input or args, not both", param="input")
+    if body.input is not None:
+        return [json.dumps(body.input)]
+    if len(body.args) > 1:
+        raise ServiceError(
+            "invalid_request",
+            "a Pie-world component takes one argument: its input JSON (or use input)",
+            param="args",
+        )
+    return body.args or ["{}"]
+
+
 @router.post(
     "/v1/inferlets/{inferlet_id}/runs",
     response_model=RunObject,
@@ -212,7 +235,8 @@ async def start_run(
 ):
     runtime = _runtime(service)
     _, path = _inferlet(service, inferlet_id)
-    if sum(len(a.encode()) for a in body.args) > runtime.limits.max_text_bytes:
+    args = _args(runtime, path, body)
+    if sum(len(a.encode()) for a in args) > runtime.limits.max_text_bytes:
         raise ServiceError(
             "invalid_request",
             f"args are over {runtime.limits.max_text_bytes} bytes",
@@ -223,7 +247,7 @@ async def start_run(
         runtime,
         inferlet_id,
         path,
-        body.args,
+        args,
         _limits(runtime.limits, body),
         body.messages,
         body.close_input,

@@ -56,7 +56,12 @@ class Runtime(Interface):
 
     @wit("models")
     def models(self) -> list[str]:
-        return sorted(self.host.state.models)
+        """Text models first, then the others (speech), each sorted: Pie's examples take
+        ``models()[0]`` as the model to chat with."""
+        from engine import Model
+
+        models = self.host.state.models
+        return sorted(models, key=lambda n: (not isinstance(models[n], Model), n))
 
     @wit("launch")
     def launch(self, program: str, input: str) -> Child:

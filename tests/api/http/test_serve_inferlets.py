@@ -217,3 +217,33 @@ def test_delete_is_last(server: Server, inferlet_id: str) -> None:
         == 404
     )
     assert httpx.delete(f"{server.v1}/inferlets/{inferlet_id}").status_code == 404
+
+
+def test_a_pie_world_component_runs_with_its_input(server: Server, tmp_path: Path) -> None:
+    """Pie's examples (one component, see tests/inferlets/pie_examples.py) over HTTP: the
+    run's ``input`` is the component's one JSON argument."""
+    from fixtures.paths import cache_root
+    from inferlets.build import build_pie_component
+    from tests.inferlets.pie_examples import EXAMPLES as PIE_EXAMPLES
+    from tests.inferlets.pie_examples import write_bundle
+
+    if not (PIE_EXAMPLES / "py-concurrency-test" / "main.py").is_file():
+        pytest.skip(f"Pie 0.4.0's examples are not at {PIE_EXAMPLES}")
+    wasm = build_pie_component(
+        write_bundle(tmp_path / "pie-examples"), cache_root() / "pie-build"
+    ).read_bytes()
+    r = httpx.post(
+        f"{server.v1}/inferlets", content=wasm, headers={"content-type": "application/wasm"}, timeout=300
+    )
+    assert r.status_code == 200, r.text
+    pie_id = r.json()["id"]
+    run = httpx.post(
+        f"{server.v1}/inferlets/{pie_id}/runs",
+        json={"input": {"__example__": "py-concurrency-test"}},
+        timeout=300,
+    )
+    assert run.status_code == 200, run.text
+    body = run.json()
+    assert body["result"] == "done" and "[test] verdict: CONCURRENT" in body["sends"]
+    both = httpx.post(f"{server.v1}/inferlets/{pie_id}/runs", json={"input": {}, "args": ["x"]}, timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "input"
