@@ -12,6 +12,7 @@ from api.http.routes import (
     jobs,
     media,
     models,
+    pie_programs,
     responses,
     speech,
     tokenize,
@@ -32,5 +33,6 @@ ROUTERS = [
     batches.router,
     embeddings.router,
     inferlets.router,
+    pie_programs.router,
     tokenize.router,
 ]
