@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,32 +31,23 @@ def build_component(src: Path, out_dir: Path, *, module: str = "app") -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tool = Path(sys.executable).parent / "componentize-py"
-    tmp = out.with_suffix(".tmp")
-    r = subprocess.run(
-        [
-            str(tool),
-            "-d",
-            str(WIT_DIR),
-            "-w",
-            "inferlet",
-            "componentize",
-            "-p",
-            str(SDK_DIR),
-            "-p",
-            str(src),
-            module,
-            "-o",
-            str(tmp),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if r.returncode != 0:
-        raise InferletError("componentize-py failed", stderr=r.stderr[-2000:])
-    tmp.replace(out)
+    _componentize(WIT_DIR, "inferlet", [SDK_DIR, src], module, out)
     return out
+
+
+def _componentize(wit: Path, world: str, paths: list[Path], module: str, out: Path) -> None:
+    """Stock componentize-py: ``module`` (found on ``paths``) as a component of ``world``
+    into ``out`` (written whole or not at all)."""
+    tool = Path(sys.executable).parent / "componentize-py"
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [str(tool), "-d", str(wit), "-w", world, "componentize"]
+    for p in paths:
+        cmd += ["-p", str(p)]
+    r = subprocess.run([*cmd, module, "-o", str(tmp)], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise InferletError(f"componentize-py failed on {paths[-1]}", stderr=r.stderr[-3000:])
+    tmp.replace(out)
 
 
 # -- Pie 0.4 projects (Pie.toml + main.py, Pie's own SDK) -------------------------------------
@@ -130,28 +122,5 @@ def build_pie_component(project: Path, out_dir: Path, *, extra: list[Path] = ())
         wit = work / "wit"
         shutil.copytree(PIE_WIT_DIR / "deps", wit / "deps")
         (wit / "exec.wit").write_text(PIE_EXEC_WIT)
-        tool = Path(sys.executable).parent / "componentize-py"
-        tmp_out = out.with_suffix(f".{work.name}.tmp")
-        r = subprocess.run(
-            [
-                str(tool),
-                "-d",
-                str(wit),
-                "-w",
-                "exec",
-                "componentize",
-                "-p",
-                str(app),
-                "pie_entry",
-                "-o",
-                str(tmp_out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if r.returncode != 0:
-            tmp_out.unlink(missing_ok=True)
-            raise InferletError("componentize-py failed on a Pie project", stderr=r.stderr[-3000:])
-        tmp_out.replace(out)
+        _componentize(wit, "exec", [app], "pie_entry", out)
     return out

@@ -64,7 +64,7 @@ class PieManifest:
         try:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise PieManifestError(f"Pie.toml is not TOML: {e}") from None
+            raise PieManifestError(f"Pie.toml is not valid TOML: {e}") from None
         pkg = doc.get("package")
         if not isinstance(pkg, dict):
             raise PieManifestError("Pie.toml has no [package] table (name, version)")

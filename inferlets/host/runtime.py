@@ -259,11 +259,7 @@ class InferletRuntime:
     def _execute_ticked(self, state: RunState, comp: wc.Component) -> str:
         if is_pie_world(self.engine, comp):
             return self._execute_pie(state, comp)
-        limits = state.limits
-        store = wasmtime.Store(self.engine)
-        store.set_limits(memory_size=limits.memory_bytes)
-        store.set_fuel(limits.fuel)
-        store.set_epoch_deadline(max(1, int(limits.wall_s / EPOCH_TICK_S)))
+        store = self._store(state.limits)
         wasi = wasmtime.WasiConfig()
         if state.on_output is not None:
             wasi.stdout_custom = _output_writer("stdout", state.output)
@@ -282,18 +278,10 @@ class InferletRuntime:
                 raise InvalidComponentError("the component exports no run function")
             out = run(store)
         except wasmtime.WasmtimeError as e:
-            msg = str(e)
-            if state.control is not None and state.control.cancelled:
-                raise InferletCancelledError("the run was cancelled") from None
-            if "interrupt" in msg:
-                raise InferletTimeoutError(f"inferlet passed its {limits.wall_s} s deadline") from None
-            raise InferletTrapError("inferlet trapped: " + _trap_reason(msg)) from None
+            raise _ended(state, e, pie=False) from None
         finally:
             store.close()
-        if state.control is not None and state.control.cancelled:
-            raise InferletCancelledError("the run was cancelled")
-        if state.ended_by is not None:
-            raise state.ended_by
+        _check_ended(state)
         if isinstance(out, wc.Variant):
             if out.tag == "ok":
                 return str(out.payload)
@@ -339,27 +327,38 @@ class InferletRuntime:
             run = run_export(instance, store, comp, self.engine)
             out = run(store, state.args[0] if state.args else "{}")
         except wasmtime.WasmtimeError as e:
-            msg = str(e)
-            log.debug("Pie-world run trapped: %s", msg)
-            if state.control is not None and state.control.cancelled:
-                raise InferletCancelledError("the run was cancelled") from None
-            if state.ended_by is not None:
-                raise state.ended_by from None
-            if "interrupt" in msg:
-                raise InferletTimeoutError(f"inferlet passed its {limits.wall_s} s deadline") from None
-            raise InferletTrapError("inferlet trapped: " + _trap_reason(msg)) from None
+            raise _ended(state, e, pie=True) from None
         finally:
             host.close()
             store.close()
-        if state.control is not None and state.control.cancelled:
-            raise InferletCancelledError("the run was cancelled")
-        if state.ended_by is not None:
-            raise state.ended_by
+        _check_ended(state)
         if isinstance(out, wc.Variant):
             if out.tag == "ok":
                 return str(out.payload)
             raise InferletFailedError(str(out.payload), guest_code="inferlet_error", guest_kind="guest")
         return str(out)
+
+
+def _ended(state: RunState, e: wasmtime.WasmtimeError, *, pie: bool) -> Exception:
+    """The typed error a trapped run ends with: cancelled, a refused host call's own error
+    (deadline, budget), the wall clock, or the trap's reason."""
+    msg = str(e)
+    log.debug("inferlet run trapped: %s", msg)
+    if state.control is not None and state.control.cancelled:
+        return InferletCancelledError("the run was cancelled")
+    if pie and state.ended_by is not None:
+        return state.ended_by
+    if "interrupt" in msg:
+        return InferletTimeoutError(f"inferlet passed its {state.limits.wall_s} s deadline")
+    return InferletTrapError("inferlet trapped: " + _trap_reason(msg))
+
+
+def _check_ended(state: RunState) -> None:
+    """A run that returned after a cancel or a refused host call ends with that error."""
+    if state.control is not None and state.control.cancelled:
+        raise InferletCancelledError("the run was cancelled")
+    if state.ended_by is not None:
+        raise state.ended_by
 
 
 def _output_writer(stream: str, on_output: Callable[[str, str], None]) -> Callable[[bytes], None]:

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import time
-import tomllib
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,20 +71,18 @@ def check_name(value: Any, what: str) -> str:
 
 
 def parse_manifest(text: Any) -> tuple[str, str]:
-    """(name, version) of a Pie.toml manifest: TOML with ``[package] name`` and ``version``."""
+    """(name, version) of a Pie.toml manifest (``inferlets.pie_project.PieManifest``: TOML
+    with ``[package] name`` and ``version``, ``[parameters]`` well formed)."""
+    from inferlets.pie_project import PieManifest
+    from media.errors import PieMediaError
+
     if not isinstance(text, str):
         raise ProgramError("manifest must be the Pie.toml text (a string)")
     try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ProgramError(f"manifest is not valid TOML: {e}") from None
-    package = doc.get("package")
-    if not isinstance(package, dict):
-        raise ProgramError("manifest has no [package] table (it needs [package] name and version)")
-    name, version = package.get("name"), package.get("version")
-    if not isinstance(name, str) or not isinstance(version, str):
-        raise ProgramError("manifest's [package] needs string fields name and version")
-    return check_name(name, "name"), check_name(version, "version")
+        m = PieManifest.parse(text)
+    except PieMediaError as e:
+        raise ProgramError(f"manifest: {e.message}") from None
+    return check_name(m.name, "name"), check_name(m.version, "version")
 
 
 def blake3_hex(data: bytes) -> str:
