@@ -1,5 +1,8 @@
-// Inferlets: upload a component (POST /v1/inferlets), run it streamed (SSE: run, send..., result|error).
+// Inferlets: Pie programs (programs.js: list, install, a form from [parameters], launch,
+// live events, processes with Stop), and a bare component: upload it (POST /v1/inferlets),
+// run it streamed (SSE: run, send..., result|error).
 import { api, sse } from "./api.js";
+import * as programs from "./programs.js";
 import { $, el, fmtBytes, showError } from "./ui.js";
 
 let inferletId = null;
@@ -18,7 +21,7 @@ async function upload() {
     $("inferlet-id").textContent = `${obj.id} (${fmtBytes(obj.bytes)})`;
     $("inferlet-run").disabled = false;
   } catch (e) {
-    $("inferlet-id").textContent = "no inferlet uploaded";
+    $("inferlet-id").textContent = "no component chosen";
     showError($("inferlet-error"), e);
   }
 }
@@ -68,7 +71,13 @@ async function run(e) {
   }
 }
 
+/** The key may have changed (app.js hands every panel the models after each /v1/models). */
+export function setModels() {
+  programs.reload();
+}
+
 export function init() {
+  programs.init();
   $("inferlet-file").addEventListener("change", upload);
   $("inferlet-form").addEventListener("submit", run);
   $("inferlet-cancel").addEventListener("click", () => running?.abort());
