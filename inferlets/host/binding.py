@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import wasmtime
 from wasmtime import component as wc
 
 log = logging.getLogger("inferlets.host")
@@ -277,7 +278,11 @@ def host_function(
         except Exception as e:  # noqa: BLE001 - a host call never crashes the host
             if not is_result:
                 on_trap(e)
-                raise
+                # The trap itself carries the call and the reason, as a WasmtimeError: the run
+                # ends with the typed trap error (or the deadline / cancel that refused the
+                # call). Any other exception, wasmtime-py keeps in one process-wide slot and
+                # re-raises, untyped, from whichever run's thread next leaves wasm.
+                raise wasmtime.WasmtimeError(f"{where}: {_error_value(None, e)}") from None
             if not isinstance(e, (WitErr, HostResourceError)) and not hasattr(e, "code"):
                 log.debug("%s failed", where, exc_info=True)
             ev = _error_value(err_t, e)
