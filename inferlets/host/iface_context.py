@@ -1,15 +1,18 @@
 """``context``: create, fill, turns, cue, flush, generate, decode step, verify draft, fork, save/open,
-truncate, drop. Every call runs on the event loop (see ``state``)."""
+truncate, drop. Every call runs on the event loop (see ``state``). Contexts are Pie's
+(``pie_core/context.py``: create / fork / save / open / delete are its calls); generate,
+decode-step and verify-draft are this world's conveniences on the engine's context."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from engine import Context, Model, Sampler, stopping
+from engine import Context, Sampler, stopping
 from engine.drafting import MAX_DRAFT
 from inferlets.host.errors import InferletLimitError
-from inferlets.host.iface_media import MediaItem
+from inferlets.host.pie_core.context import ContextIface, ContextRes
+from inferlets.host.pie_core.media import PreparedMedia
 from inferlets.host.state import RunState
 from inferlets.host.wit_values import field, part, record
 from media import InvalidRequestError
@@ -54,13 +57,17 @@ class ContextCalls:
 
     def __init__(self, run: RunState):
         self.run = run
+        self.pie = ContextIface(run.pie)
 
-    def _ctx(self, h: int) -> Context:
+    def _res(self, h: int) -> ContextRes:
         return self.run.handles.get(h, "context")
 
+    def _ctx(self, h: int) -> Context:
+        return self._res(h).live()
+
     def create(self, model: str) -> int:
-        m = self.run.model(model, Model)
-        return self.run.handles.add("context", self.run.on_loop(Context, m))
+        self.run.handles.ensure_room()
+        return self.run.handles.add("context", self.pie.create(self.run.pie.model_res(model)))
 
     def fill(self, h: int, text: str) -> None:
         self.run.on_loop(self._ctx(h).fill, self.run.text(text))
@@ -83,11 +90,9 @@ class ContextCalls:
         self.run.on_loop(getattr(ctx, role), *content)
 
     def _media_for(self, ctx: Context, h: int) -> Any:
-        item: MediaItem = self.run.handles.get(h, "media")
+        item: PreparedMedia = self.run.handles.get(h, "media")
         if item.model is not ctx.model:
-            raise InvalidRequestError(
-                f"media handle {h} was prepared for model {item.model_name!r}, not this context's"
-            )
+            raise InvalidRequestError(f"media handle {h} was prepared for another model, not this context's")
         return item.prepared
 
     def append_media(self, h: int, m: int) -> None:
@@ -184,33 +189,18 @@ class ContextCalls:
         return accepted
 
     def fork(self, h: int) -> int:
-        return self.run.handles.add("context", self.run.on_loop(self._ctx(h).fork))
+        self.run.handles.ensure_room()
+        return self.run.handles.add("context", self.pie.fork(self._res(h)))
 
     def save(self, h: int, name: str, overwrite: bool) -> None:
-        ctx = self._ctx(h)
-        if self.run.saves >= self.run.limits.max_saves:
-            raise InferletLimitError(
-                f"a run may save at most {self.run.limits.max_saves} contexts",
-                limit=self.run.limits.max_saves,
-            )
-        saved = self._saved_name(name)
-        self.run.on_loop(lambda: ctx.save(saved, overwrite=overwrite))
-        self.run.saves += 1
+        self.pie.save_as(self._res(h), self.pie.saved_name(name), overwrite=overwrite)
 
     def open(self, model: str, name: str) -> int:
-        m = self.run.model(model, Model)
-        return self.run.handles.add("context", self.run.on_loop(Context.open, m, self._saved_name(name)))
+        self.run.handles.ensure_room()
+        return self.run.handles.add("context", self.pie.open(self.run.pie.model_res(model), name))
 
     def delete_saved(self, model: str, name: str) -> None:
-        m = self.run.model(model, Model)
-        self.run.on_loop(m.delete_saved, self._saved_name(name))
-
-    def _saved_name(self, name: str) -> str:
-        """A saved context's name in the engine: under the run's namespace (its caller's
-        tenant), so runs of different tenants never meet each other's saved contexts."""
-        text = self.run.text(name, "a name")
-        namespace = self.run.control.namespace if self.run.control is not None else ""
-        return f"{namespace}/{text}" if namespace else text
+        self.pie.delete(self.run.pie.model_res(model), name)
 
     def truncate(self, h: int, n: int) -> None:
         self.run.on_loop(self._ctx(h).truncate, n)

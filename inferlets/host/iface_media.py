@@ -1,20 +1,14 @@
 """``media``: decode bytes and prepare them for a model (on the run's worker thread, off
-the event loop); a handle keeps the ``Prepared`` item, which contexts then place."""
+the event loop); a handle keeps the prepared item, which contexts then place. A thin layer
+over Pie's ``pie:core/media`` host calls (``pie_core/media.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from inferlets.host.pie_core.media import Media, PreparedMedia
 from inferlets.host.state import RunState
 from inferlets.host.wit_values import record
-
-
-@dataclass(frozen=True)
-class MediaItem:
-    model_name: str
-    model: Any
-    prepared: Any
 
 
 class MediaCalls:
@@ -28,32 +22,31 @@ class MediaCalls:
 
     def __init__(self, run: RunState):
         self.run = run
+        self.pie = Media(run.pie)
 
-    def _add(self, model: str, data: bytes, decode: Any, **params: Any) -> int:
-        from engine import Model
-
-        self.run.buffer(data, "media bytes")
-        m = self.run.model(model, Model)
+    def _add(self, make: Any, model: str, data: bytes) -> int:
         self.run.handles.ensure_room()  # refuse before the costly part
-        prepared = m.prepare(decode(bytes(data)), **params)
+        item = make(self.run.pie.model_res(model), data)
         self.run.check()
-        return self.run.handles.add("media", MediaItem(model, m, prepared))
+        return self.run.handles.add("media", item)
 
     def image_from_bytes(self, model: str, data: bytes) -> int:
-        from media import Image
-
-        return self._add(model, data, Image.from_bytes)
-
-    def video_from_bytes(self, model: str, data: bytes, max_frames: int) -> int:
-        from media import Video
-
-        params = {"max_frames": max_frames} if max_frames else {}
-        return self._add(model, data, Video.from_bytes, **params)
+        return self._add(self.pie.image_from_bytes, model, data)
 
     def audio_from_bytes(self, model: str, data: bytes) -> int:
-        from media import Audio
+        return self._add(self.pie.audio_from_bytes, model, data)
 
-        return self._add(model, data, Audio.from_bytes)
+    def video_from_bytes(self, model: str, data: bytes, max_frames: int) -> int:
+        """A whole video prepared as one item (Pie's world gives frames instead)."""
+        from media import Video
+
+        def make(m: Any, data: bytes) -> PreparedMedia:
+            model = self.pie.model_for(m, "video")
+            self.run.buffer(data, "video bytes")
+            params = {"max_frames": max_frames} if max_frames else {}
+            return PreparedMedia(model, model.prepare(Video.from_bytes(bytes(data)), **params))
+
+        return self._add(make, model, data)
 
     def info(self, h: int) -> Any:
         p = self.run.handles.get(h, "media").prepared

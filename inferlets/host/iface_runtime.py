@@ -1,12 +1,14 @@
-"""``runtime`` and ``models``: arguments, send/receive, time, model facts, tokens."""
+"""``runtime`` and ``models``: arguments, send/receive, time, model facts, tokens; send,
+receive and the tokenizer calls are Pie's (``pie_core/session.py``, ``pie_core/model.py``)."""
 
 from __future__ import annotations
 
-import queue
 import time
 from typing import Any
 
-from inferlets.host.state import POLL_S, RunState
+from inferlets.host.pie_core.model import ModelIface, TokenizerRes
+from inferlets.host.pie_core.session import Session
+from inferlets.host.state import RunState
 from inferlets.host.wit_values import record
 
 
@@ -26,20 +28,14 @@ class RuntimeCalls:
         return list(self.run.args)
 
     def send(self, text: str) -> None:
-        self.run.flush_output()  # a partial line printed before it goes first
-        self.run.on_send(self.run.text(text, "a sent message"))
+        Session(self.run.pie).send(text)
 
     def receive(self) -> Any:
         run = self.run
         if run.control is None:
             return record(closed=True, text="")
-        while True:
-            run.check()
-            try:
-                msg = run.control.next_message(min(POLL_S, run.deadline - time.monotonic()))
-            except queue.Empty:
-                continue
-            return record(closed=msg is None, text=msg or "")
+        msg = run.pie.wait_future(run.control.message_future())
+        return record(closed=msg is None, text=msg or "")
 
     def now(self) -> int:
         return time.monotonic_ns()
@@ -67,6 +63,7 @@ class ModelCalls:
 
     def __init__(self, run: RunState):
         self.run = run
+        self._model = ModelIface(run.pie)
 
     def list_models(self) -> list[Any]:
         return [model_info(n, m) for n, m in sorted(self.run.models.items())]
@@ -75,18 +72,13 @@ class ModelCalls:
         return model_info(name, self.run.model(name))
 
     def tokenize(self, model: str, text: str) -> list[int]:
-        from engine import Model
-
-        return self.run.model(model, Model).tokenize(self.run.text(text))
+        return self._model.encode(self._tokenizer(model), text)
 
     def detokenize(self, model: str, ids: list[int]) -> str:
-        from engine import Model
-        from media import InvalidRequestError
+        return self._model.decode(self._tokenizer(model), ids)
 
-        m = self.run.model(model, Model)
-        self.run.buffer(ids, "token ids", 4)
-        vocab = m.arch.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise InvalidRequestError(f"token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return m.detokenize(ids)
+    def _tokenizer(self, model: str) -> TokenizerRes:
+        host = self.run.pie
+        m = host.model_res(model)
+        host.text_model(m)
+        return TokenizerRes(m)

@@ -259,6 +259,7 @@ class InferletRuntime:
     def _execute_ticked(self, state: RunState, comp: wc.Component) -> str:
         if is_pie_world(self.engine, comp):
             return self._execute_pie(state, comp)
+        state.pie = host = self._pie_host(state)
         store = self._store(state.limits)
         wasi = wasmtime.WasiConfig()
         if state.on_output is not None:
@@ -280,6 +281,7 @@ class InferletRuntime:
         except wasmtime.WasmtimeError as e:
             raise _ended(state, e, pie=False) from None
         finally:
+            host.close()
             store.close()
         _check_ended(state)
         if isinstance(out, wc.Variant):
@@ -305,15 +307,18 @@ class InferletRuntime:
         store.set_epoch_deadline(max(1, int(limits.wall_s / EPOCH_TICK_S)))
         return store
 
-    def _execute_pie(self, state: RunState, comp: wc.Component) -> str:
-        """Run a component of Pie 0.4.0's world (``pie_world``)."""
-        limits = state.limits
-        host = PieHost(
+    def _pie_host(self, state: RunState) -> PieHost:
+        return PieHost(
             state,
             launch_child=self.launch_child,
             mcp=getattr(state.control, "mcp", None),
             sandbox_root=self.cache_dir / "sandboxes",
         )
+
+    def _execute_pie(self, state: RunState, comp: wc.Component) -> str:
+        """Run a component of Pie 0.4.0's world (``pie_world``)."""
+        limits = state.limits
+        state.pie = host = self._pie_host(state)
         store = self._store(limits)
         store.set_wasi(wasmtime.WasiConfig())
         try:

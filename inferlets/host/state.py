@@ -37,8 +37,6 @@ class RunState:
         limits: RunLimits,
         control: InferletRun | None,
     ):
-        from engine import Context
-
         self.models = models
         self.loop = loop
         self.args = list(args)
@@ -53,13 +51,15 @@ class RunState:
         """(stream, text) for what the guest writes to WASI stdout / stderr (None: dropped),
         a line at a time (``output``)."""
         self._pending_output: list[tuple[str, str]] = []
+        self.pie: Any = None
+        """The run's ``PieHost`` (both worlds: pie-media's own calls are a layer over Pie's)."""
         self.ended_by: Exception | None = None
         """Set when a host call was refused for cancel or deadline: how the run ends, whatever
         the guest makes of that call's error."""
         self.handles = HandleTable(
             limits.max_handles,
             {
-                "context": lambda c: self._close_context(Context.close, c),
+                "context": lambda c: c.close(),  # a pie_core ContextRes (it closes on the loop)
                 "speech-stream": lambda g: g.close(),
             },
         )
@@ -174,11 +174,12 @@ class RunState:
 
         return self.wait_for(call(), bounded=bounded)
 
-    def _close_context(self, close: Callable[[Any], None], ctx: Any) -> None:
+    def close_context(self, ctx: Any) -> None:
+        """Close an engine context on the loop (its pages go back to the pool there)."""
         if self.loop.is_running() and not self.loop.is_closed():
-            self.on_loop(close, ctx, bounded=False)
+            self.on_loop(ctx.close, bounded=False)
         else:
-            close(ctx)
+            ctx.close()
 
     def close(self) -> None:
         """Close every live handle: contexts return their pages, streams release the model."""

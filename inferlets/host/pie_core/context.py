@@ -30,7 +30,7 @@ class ContextRes(Resource):
     def close(self) -> None:
         ctx, self.ctx = self.ctx, None
         if ctx is not None and not ctx.closed:
-            self.host.state._close_context(type(ctx).close, ctx)
+            self.host.state.close_context(ctx)
 
     def live(self) -> Any:
         if self.ctx is None or self.ctx.closed:
@@ -45,7 +45,9 @@ class ContextIface(Interface):
     NAME = "pie:core/context"
     RESOURCES = (ContextRes,)
 
-    def _name(self, name: str) -> str:
+    def saved_name(self, name: str) -> str:
+        """A saved context's name in the engine: under the run's namespace (its caller's
+        tenant), so runs of different tenants never meet each other's saved contexts."""
         text = self.host.state.text(name, "a name")
         if not text:
             raise InvalidRequestError("a saved context needs a non-empty name")
@@ -67,14 +69,14 @@ class ContextIface(Interface):
         from engine import Context
 
         model = self.host.text_model(m)
-        return self._wrap(m, self.host.on_loop(Context.open, model, self._name(name)))
+        return self._wrap(m, self.host.on_loop(Context.open, model, self.saved_name(name)))
 
     @wit("[static]context.take")
     def take(self, m: ModelRes, name: str) -> ContextRes:
         from engine import Context
 
         model = self.host.text_model(m)
-        saved = self._name(name)
+        saved = self.saved_name(name)
 
         def take() -> Any:
             ctx = Context.open(model, saved)
@@ -86,30 +88,31 @@ class ContextIface(Interface):
     @wit("[static]context.delete")
     def delete(self, m: ModelRes, name: str) -> None:
         model = self.host.text_model(m)
-        self.host.on_loop(model.delete_saved, self._name(name))
+        self.host.on_loop(model.delete_saved, self.saved_name(name))
 
     @wit("[method]context.fork")
     def fork(self, c: ContextRes) -> ContextRes:
         return self._wrap(c.model_res, self.host.on_loop(c.live().fork))
 
-    def _save(self, c: ContextRes, name: str) -> None:
+    def save_as(self, c: ContextRes, saved: str, *, overwrite: bool = False) -> None:
+        """Save ``c`` as the engine name ``saved`` (``saved_name``), within the run's cap."""
         st = self.host.state
         if st.saves >= st.limits.max_saves:
             raise InferletLimitError(
                 f"a run may save at most {st.limits.max_saves} contexts", limit=st.limits.max_saves
             )
         ctx = c.live()
-        self.host.on_loop(lambda: ctx.save(name))
+        self.host.on_loop(lambda: ctx.save(saved, overwrite=overwrite))
         st.saves += 1
 
     @wit("[method]context.save")
     def save(self, c: ContextRes, name: str) -> None:
-        self._save(c, self._name(name))
+        self.save_as(c, self.saved_name(name))
 
     @wit("[method]context.snapshot")
     def snapshot(self, c: ContextRes) -> str:
         name = f"snapshot-{uuid.uuid4().hex[:16]}"
-        self._save(c, self._name(name))
+        self.save_as(c, self.saved_name(name))
         return name
 
     @wit("[method]context.destroy")

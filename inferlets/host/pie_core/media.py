@@ -16,7 +16,10 @@ from inferlets.host.pie_core.model import ModelRes
 from media import InvalidRequestError
 
 
-class _Prepared(Resource):
+class PreparedMedia(Resource):
+    """A media item prepared for one model (an image, an audio clip, or, for pie-media's own
+    world, a whole video)."""
+
     def __init__(self, model: Any, prepared: Any):
         self.model = model
         self.prepared = prepared
@@ -34,11 +37,11 @@ class _Prepared(Resource):
         return placeholder_span(self.prepared)
 
 
-class ImageRes(_Prepared):
+class ImageRes(PreparedMedia):
     WIT = ("pie:core/media", "image")
 
 
-class AudioRes(_Prepared):
+class AudioRes(PreparedMedia):
     WIT = ("pie:core/media", "audio")
 
 
@@ -56,7 +59,8 @@ class Media(Interface):
     NAME = "pie:core/media"
     RESOURCES = (ImageRes, VideoRes, AudioRes)
 
-    def _model(self, m: ModelRes, kind: str) -> Any:
+    def model_for(self, m: ModelRes, kind: str) -> Any:
+        """The text model behind ``m``, if it takes ``kind`` (a video: as frames of images)."""
         model = self.host.text_model(m)
         if kind not in model.media_kinds and not (kind == "video" and "image" in model.media_kinds):
             raise InvalidRequestError(
@@ -68,7 +72,7 @@ class Media(Interface):
     def image_from_bytes(self, m: ModelRes, data: bytes) -> ImageRes:
         from media import Image
 
-        model = self._model(m, "image")
+        model = self.model_for(m, "image")
         self.host.state.buffer(data, "image bytes")
         return ImageRes(model, model.prepare(Image.from_bytes(bytes(data))))
 
@@ -97,7 +101,7 @@ class Media(Interface):
     def video_from_bytes(self, m: ModelRes, data: bytes, max_frames: int) -> VideoRes:
         from media import Image, Video
 
-        model = self._model(m, "image")
+        model = self.model_for(m, "image")
         self.host.state.buffer(data, "video bytes")
         video = Video.from_bytes(bytes(data))
         sampled = video.sample(max_frames=int(max_frames) or 32)
@@ -127,7 +131,7 @@ class Media(Interface):
     def audio_from_bytes(self, m: ModelRes, data: bytes) -> AudioRes:
         from media import Audio
 
-        model = self._model(m, "audio")
+        model = self.model_for(m, "audio")
         self.host.state.buffer(data, "audio bytes")
         return AudioRes(model, model.prepare(Audio.from_bytes(bytes(data))))
 
