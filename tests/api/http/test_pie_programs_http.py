@@ -203,3 +203,35 @@ def test_another_tenant_sees_nothing(alice: httpx.Client, bob: httpx.Client, ins
     finally:
         alice.post(f"/v1/inferlets/{run['inferlet_id']}/runs/{run['id']}/cancel")
     assert httpx.get(str(alice.base_url.join("/v1/pie/programs"))).status_code == 401
+
+
+def test_one_program_index_and_one_process_model_with_pie_client(
+    server: Server, alice: httpx.Client, installed
+) -> None:
+    """What is installed over HTTP is what ``pie-client`` sees and launches; a process it
+    launches is shown by the events route, one launched here is one it attaches to."""
+    import asyncio
+
+    pie_client = pytest.importorskip("pie_client")
+
+    async def go() -> tuple[str, list[tuple[str, object]]]:
+        async with pie_client.PieClient(server.url.replace("http://", "ws://")) as c:
+            await c.auth_by_token(ALICE)
+            assert await c.check_program("typed-example@0.1.0")
+            p = await c.launch_process("py-concurrency-test@0.1.0", {}, capture_outputs=False)
+            here = alice.post(
+                "/v1/pie/programs/typed-example@0.1.0/launch",
+                json={"input": {"prompt": "hi", "max_tokens": 2}},
+            ).json()
+            attached = await c.attach_process(here["id"])
+            seen = []
+            while True:
+                ev, value = await asyncio.wait_for(attached.recv(), T)
+                seen.append((ev.value, value))
+                if ev.value in ("return", "error"):
+                    return p.process_id, seen
+
+    theirs, seen = asyncio.run(asyncio.wait_for(go(), T))
+    assert seen[-1] == ("return", "done") and ("message", "[test] verdict: CONCURRENT") in seen
+    got = events(alice, theirs)
+    assert got[-1][0] == "return" and got[-1][1]["result"] == "done"
