@@ -187,12 +187,12 @@ async def list_programs(request: Request, service: Service = Depends(get_service
     return PieProgramList(data=await asyncio.to_thread(read))
 
 
-async def _manifest_of(form: Any) -> tuple[Path, str]:
+def _manifest_of(form: Any) -> tuple[Path, str]:
     """(the component's spooled file, the manifest text) of an install form."""
     wasm, manifest = [], form.fields.get("manifest")
     for f in form.files:
         if (f.filename or "").lower().endswith(".toml"):
-            if manifest is not None:
+            if manifest:
                 raise ServiceError("invalid_request", "two manifests: send one Pie.toml", param="manifest")
             if f.size > MAX_MANIFEST_BYTES:
                 raise ServiceError(
@@ -240,7 +240,7 @@ async def install_program(request: Request, service: Service = Depends(get_servi
         max_field_bytes=MAX_MANIFEST_BYTES,
     )
     try:
-        path, manifest = await _manifest_of(form)
+        path, manifest = _manifest_of(form)
         data = await asyncio.to_thread(path.read_bytes)
     finally:
         form.cleanup()
