@@ -426,7 +426,7 @@ class AdapterStore:
         loaded = lora.load_adapter(model.arch.hf, _lm_prefix(model), src, adapter.name)
         evolution = None
         if (src / ZO_STATE_FILE).is_file():
-            from engine.evolution import EvolutionState
+            from engine.evolution_state import EvolutionState
 
             evolution = EvolutionState.from_file(src / ZO_STATE_FILE, loaded.weights)
         adapter.set_weights(dict(loaded.weights), rank=loaded.rank, alpha=loaded.alpha)
