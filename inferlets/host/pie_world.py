@@ -250,7 +250,15 @@ def link_pie_world(engine: wasmtime.Engine, comp: wc.Component, host: PieHost) -
         return None
 
     wasi_version = wasi.wasmtime_wasi_version()
-    traps: list[BaseException] = []
+
+    def on_trap(e: BaseException) -> None:
+        """A result-less call failed: the run ends there, with the host's typed error (a
+        refused budget keeps the error it set first)."""
+        from media.errors import PieMediaError
+
+        if isinstance(e, PieMediaError) and host.state.ended_by is None:
+            host.state.ended_by = e
+
     table = host.table
 
     def drop(store: Any, rep: int) -> None:
@@ -286,9 +294,7 @@ def link_pie_world(engine: wasmtime.Engine, comp: wc.Component, host: PieHost) -
                     method = getattr(iface, attr) if attr is not None else None
                     inst.add_func(
                         fname,
-                        host_function(
-                            base, fname, method, t, table, resource_of, host.state.check, traps.append
-                        ),
+                        host_function(base, fname, method, t, table, resource_of, host.state.check, on_trap),
                     )
     return linker
 

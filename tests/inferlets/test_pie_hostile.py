@@ -343,22 +343,23 @@ def test_a_destroyed_context_used_again(rt, wasm, serving) -> None:
 
 
 @pytest.mark.parametrize(
-    ("call", "reason"),
+    ("call", "error", "reason"),
     [
-        ("tokens-per-page", r"context\.tokens-per-page: invalid_request: this context was destroyed"),
-        (
-            "truncate",
-            r"truncate-working-page-tokens: invalid_working_pages: cannot truncate 1000 working rows",
-        ),
-        ("poll", r"wasi:io/poll\.poll: poll: the list of pollables is empty"),
+        ("tokens-per-page", "invalid_request", r"this context was destroyed"),
+        ("truncate", "invalid_working_pages", r"cannot truncate 1000 working rows"),
+        ("poll", "inferlet_trap", r"wasi:io/poll\.poll: poll: the list of pollables is empty"),
     ],
     ids=["after-destroy", "truncate-too-many", "poll-nothing"],
 )
-def test_a_failing_call_without_a_result_ends_the_run_as_a_trap(rt, wasm, serving, call, reason) -> None:
-    """The WIT gives these calls no ``result`` to carry an error: the run ends with the
-    typed trap error, naming the call and why (not the host's own exception, untyped)."""
-    with pytest.raises(InferletTrapError, match=reason):
+def test_a_failing_call_without_a_result_ends_the_run(rt, wasm, serving, call, error, reason) -> None:
+    """The WIT gives these calls no ``result`` to carry an error: the run ends there, with
+    the host's own typed error when it has one (its code kept), else the trap error naming
+    the call and why (never the host's exception, untyped)."""
+    from media.errors import PieMediaError
+
+    with pytest.raises(PieMediaError, match=reason) as e:
         run(rt, wasm, "failing_call", call=call)
+    assert e.value.code == error
 
 
 @pytest.mark.parametrize(
