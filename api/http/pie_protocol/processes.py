@@ -63,6 +63,27 @@ def args_of(input_text: Any) -> list[str]:
     return [input_text]
 
 
+def launch_args(program: Any, pie_world: bool, input_text: Any) -> list[str]:
+    """The run's arguments for a launch's ``input`` (JSON text): a Pie-world component takes
+    the text itself, checked against the program's Pie.toml ``[parameters]`` (a typed
+    ``invalid_inferlet_input`` naming the field); a ``pie:media`` one the list ``args_of``
+    reads from it. ``LaunchError`` for input that is not JSON text."""
+    from inferlets.pie_project import PieManifest
+
+    if not pie_world:
+        return args_of(input_text)
+    if input_text is not None and not isinstance(input_text, str):
+        raise LaunchError(f"input must be JSON text (a string), got {type(input_text).__name__}")
+    text = input_text if input_text and input_text.strip() else "{}"
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise LaunchError(f"input is not JSON: {e}") from None
+    if getattr(program, "manifest", ""):
+        PieManifest.parse(program.manifest).check_input(value)
+    return [text]
+
+
 def budget_of(value: Any) -> int | None:
     """A launch's ``token_budget`` (None: none)."""
     if value is None:

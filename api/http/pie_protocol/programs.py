@@ -113,6 +113,16 @@ class ProgramStore:
         except (OSError, ValueError, TypeError):
             return None
 
+    def list(self, tenant: str) -> list[tuple[str, str]]:
+        """(name, version) of every program stored for ``tenant``, sorted."""
+        folder = self._file(tenant, "x", "x").parent  # the tenant's folder (its name is a hash)
+        found = []
+        for path in folder.glob("*@*.json"):
+            name, _, version = path.stem.rpartition("@")
+            if name and version:
+                found.append((name, version))
+        return sorted(found)
+
     def put(self, tenant: str, program: Program) -> None:
         path = self._file(tenant, program.name, program.version)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ from api.http.pie_protocol import framing
 from api.http.pie_protocol.auth import Auth
 from api.http.pie_protocol.children import child_launcher
 from api.http.pie_protocol.mcp_relay import RELAY, McpEndpoint, client_for
-from api.http.pie_protocol.processes import LaunchError, ProcessHub, args_of, budget_of
+from api.http.pie_protocol.processes import LaunchError, ProcessHub, args_of, budget_of, launch_args
 from api.http.pie_protocol.programs import (
     ProgramError,
     ProgramStore,
@@ -53,7 +53,6 @@ from api.http.pie_protocol.programs import (
     split_ref,
 )
 from api.http.tenancy import enter
-from inferlets.pie_project import PieManifest
 from media.errors import PieMediaError
 
 log = logging.getLogger("pie_media.pie_protocol")
@@ -370,26 +369,14 @@ class Session:
         return self.service.inferlets
 
     def _args(self, runtime: Any, program: Any, path: Any, input_text: Any) -> list[str]:
-        """The run's arguments: a Pie-world component takes the input JSON itself, checked
-        against its Pie.toml's ``[parameters]``; a ``pie:media`` one the argument list
-        ``args_of`` reads from it. Children it launches reach this tenant's programs."""
+        """The run's arguments (``launch_args``); children it launches reach this tenant's
+        programs."""
         if runtime.launch_child is None:
             runtime.launch_child = child_launcher(self.service, self.programs, asyncio.get_running_loop())
-        if not runtime.is_pie_world(path):
-            return args_of(input_text)
-        if input_text is not None and not isinstance(input_text, str):
-            raise Reply(f"input must be JSON text (a string), got {type(input_text).__name__}")
-        text = input_text if input_text and input_text.strip() else "{}"
         try:
-            value = json.loads(text)
-        except ValueError as e:
-            raise Reply(f"input is not JSON: {e}") from None
-        if program.manifest:
-            try:
-                PieManifest.parse(program.manifest).check_input(value)
-            except PieMediaError as e:
-                raise Reply(f"{e.code}: {e.message}") from None
-        return [text]
+            return launch_args(program, runtime.is_pie_world(path), input_text)
+        except PieMediaError as e:
+            raise Reply(f"{e.code}: {e.message}") from None
 
     def _program(self, ref: Any) -> tuple[Any, Any]:
         """(program, component path) of ``name@version`` for this session's tenant."""

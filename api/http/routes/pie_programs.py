@@ -43,7 +43,7 @@ from api.http.inferlet_runs import RunRecord
 from api.http.inferlet_schemas import RunObject
 from api.http.pie_protocol.children import child_launcher
 from api.http.pie_protocol.mcp_relay import client_for
-from api.http.pie_protocol.processes import LaunchError, args_of, budget_of
+from api.http.pie_protocol.processes import LaunchError, budget_of, launch_args
 from api.http.pie_protocol.programs import (
     Program,
     ProgramError,
@@ -120,18 +120,6 @@ def _protocol(request: Request) -> PieProtocol:
     return protocol_state(request.app)
 
 
-def _tenant_programs(programs: ProgramStore, tenant: str) -> list[tuple[str, str]]:
-    """(name, version) of every program stored for ``tenant``, by name. The store keeps one
-    JSON file per program in the tenant's folder; it has no listing of its own."""
-    folder = programs._file(tenant, "x", "x").parent  # the tenant's folder (its name is a hash)
-    found = []
-    for path in folder.glob("*@*.json"):
-        name, _, version = path.stem.rpartition("@")
-        if name and version and not path.name.endswith(".tmp"):
-            found.append((name, version))
-    return sorted(found)
-
-
 def _object(program: Program) -> PieProgramObject:
     description, parameters, problem = "", [], None
     try:
@@ -178,7 +166,7 @@ async def list_programs(request: Request, service: Service = Depends(get_service
 
     def read() -> list[PieProgramObject]:
         out = []
-        for name, version in _tenant_programs(programs, tenant):
+        for name, version in programs.list(tenant):
             program = programs.get(tenant, name, version)
             if program is not None and service.inferlet_store.path(program.inferlet_id, scope=tenant):
                 out.append(_object(program))
@@ -272,23 +260,12 @@ async def install_program(request: Request, service: Service = Depends(get_servi
 
 
 def _input_args(program: Program, pie_world: bool, body: LaunchRequest) -> list[str]:
-    """The run's arguments, as the protocol's launch makes them: a Pie-world component takes
-    the input JSON text itself (checked against ``[parameters]``), a ``pie:media`` one the
-    argument list ``args_of`` reads from it."""
+    """The run's arguments, as the protocol's launch makes them (``launch_args``)."""
     text = body.input if isinstance(body.input, str) else json.dumps({} if body.input is None else body.input)
-    if not pie_world:
-        try:
-            return args_of(text)
-        except LaunchError as e:
-            raise ServiceError("invalid_request", str(e), param="input") from None
-    text = text if text.strip() else "{}"
     try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ServiceError("invalid_request", f"input is not JSON: {e}", param="input") from None
-    if program.manifest:
-        PieManifest.parse(program.manifest).check_input(value)  # a typed 400 naming the field
-    return [text]
+        return launch_args(program, pie_world, text)
+    except LaunchError as e:
+        raise ServiceError("invalid_request", str(e), param="input") from None
 
 
 @router.post(
