@@ -92,7 +92,12 @@ async def native(model, ids: list[int], n: int, tokens: int) -> list[list[int]]:
 
 async def inferlet(rt, wasm: Path, ids: list[int], n: int, tokens: int) -> list[list[int]]:
     arg = json.dumps({"prompt_tokens": ids, "max_tokens": tokens})
-    outs = await asyncio.gather(*(rt.run_async(wasm, [arg]) for _ in range(n)))
+    # Every run ends before this returns (a failed one raises after): the loop the others'
+    # host calls hop to must outlive them.
+    outs = await asyncio.gather(*(rt.run_async(wasm, [arg]) for _ in range(n)), return_exceptions=True)
+    for o in outs:
+        if isinstance(o, BaseException):
+            raise o
     return [json.loads(o) for o in outs]
 
 
@@ -169,6 +174,9 @@ def measure(model, rt, wasm: Path, ids: list[int], n: int, steps: int, rounds: i
 # -- profile ----------------------------------------------------------------------------------
 
 
+ENTRIES = "(every entry from wasm: wasmtime-py's trampoline + the host function or drop)"
+
+
 class HostCallTimer:
     """Wraps ``inferlets.host.pie_world.host_function`` (the factory of every Pie-world host
     function) so each call is timed: wall and the calling thread's CPU, per WIT name; and
@@ -217,13 +225,35 @@ class HostCallTimer:
                 with lock:
                     timer.guest_cpu += time.thread_time() - c0
 
+        # Every entry from wasm into Python (host functions and resource drops) goes through
+        # wasmtime-py's ``catch_exceptions``: timed around it, the entries' whole cost,
+        # wasmtime-py's own conversions (types read back from C, values converted) included.
+        import wasmtime.component._linker as wl
+
+        self._wl, self._real_catch = wl, wl.catch_exceptions
+        real_catch = self._real_catch
+
+        def catch_exceptions(context, run):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return real_catch(context, run)
+            finally:
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+                with lock:
+                    rec = calls[ENTRIES]
+                    rec[0] += 1
+                    rec[1] += dt
+                    rec[2] += dc
+
         pw.host_function = host_function
         InferletRuntime.run = run
+        wl.catch_exceptions = catch_exceptions
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._pw.host_function = self._real_hf
         self._rt_cls.run = self._real_run
+        self._wl.catch_exceptions = self._real_catch
 
     def snapshot(self) -> tuple[dict[str, tuple[int, float, float]], float]:
         with self._lock:
@@ -266,24 +296,74 @@ def profile(model, rt, wasm: Path, ids: list[int], steps: int, rounds: int) -> d
                         "cpu_us_per_token": round((c - c0) / steps * 1e6, 1),
                         "wall_us_per_call": round((w - w0) / (n - n0) * 1e6, 1),
                     }
+                entries = host_calls.pop(ENTRIES, None)
                 host_calls = dict(sorted(host_calls.items(), key=lambda kv: -kv[1]["wall_us_per_token"]))
                 guest_cpu = (long[3] - short[3]) / steps * 1e6
-                host_cpu = sum(v["cpu_us_per_token"] for v in host_calls.values())
+                fn_cpu = sum(v["cpu_us_per_token"] for v in host_calls.values())
+                fn_wall = sum(v["wall_us_per_token"] for v in host_calls.values())
+                ent_cpu = entries["cpu_us_per_token"] if entries else fn_cpu
+                ent_wall = entries["wall_us_per_token"] if entries else fn_wall
                 best = {
                     "wall_us_per_token": round(wall * 1e6, 1),
                     "process_cpu_us_per_token": round((long[2] - short[2]) / steps * 1e6, 1),
-                    "guest_thread_cpu_us_per_token": round(guest_cpu, 1),
-                    "of_which_host_calls_cpu_us": round(host_cpu, 1),
-                    "of_which_wasm_guest_cpu_us (the rest)": round(guest_cpu - host_cpu, 1),
+                    "guest_thread": {
+                        "cpu_us_per_token": round(guest_cpu, 1),
+                        "in_host_functions_cpu_us": round(fn_cpu, 1),
+                        "in_wasmtime_py_trampolines_and_drops_cpu_us": round(ent_cpu - fn_cpu, 1),
+                        "in_the_wasm_guest_cpu_us": round(guest_cpu - ent_cpu, 1),
+                        "in_host_functions_wall_us": round(fn_wall, 1),
+                        "in_wasmtime_py_trampolines_and_drops_wall_us": round(ent_wall - fn_wall, 1),
+                        "in_the_wasm_guest_wall_us": round(wall * 1e6 - ent_wall, 1),
+                    },
                     "event_loop_thread_cpu_us_per_token": round((long[1] - short[1]) / steps * 1e6, 1),
-                    "host_calls_per_token": round(sum(v["calls_per_token"] for v in host_calls.values()), 2),
-                    "host_calls": host_calls,
+                    "host_function_calls_per_token": round(
+                        sum(v["calls_per_token"] for v in host_calls.values()), 2
+                    ),
+                    "host_functions": host_calls,
                 }
+                if entries is not None:
+                    best["wasm_to_python_entries"] = {
+                        **entries,
+                        "what": "every entry from wasm into Python: wasmtime-py's component trampoline "
+                        "(the function's type read back from C, arguments and result converted) around "
+                        "a host function, or a resource drop",
+                    }
     assert best is not None
     return best
 
 
 # -- main -------------------------------------------------------------------------------------
+
+
+def lock_wasmtime_slabs() -> None:
+    """WORKAROUND (a host bug this bench found): wasmtime-py keeps every host function of
+    every component linker in one process-wide ``Slab`` (``wasmtime.component._linker.
+    FUNCTIONS``) whose ``allocate`` / ``deallocate`` are plain Python, not thread-safe. Runs
+    link Pie's world on their own threads (``link_pie_world``, ~hundreds of ``add_func``)
+    while finished runs' linkers are freed (``func_finalize`` -> ``deallocate``) on others,
+    so concurrent launches now and then corrupt the free list: one run of 32 here died in
+    ``Slab.allocate`` (``self.next = cast(int, self.list[idx])``) and the other 31 then
+    waited out their deadline; 8 threads allocating and freeing on one ``Slab`` reproduce
+    it in seconds (``TypeError: list indices must be integers or slices, not object``).
+    It could as well hand two host functions one index. Until the host serialises linking and
+    linker release, the bench makes the slabs' two methods atomic under one lock."""
+    from wasmtime import _slab
+
+    if getattr(_slab.Slab, "_bench_locked", False):
+        return
+    lock = threading.Lock()
+    allocate, deallocate = _slab.Slab.allocate, _slab.Slab.deallocate
+
+    def locked_allocate(self, val):
+        with lock:
+            return allocate(self, val)
+
+    def locked_deallocate(self, idx):
+        with lock:
+            return deallocate(self, idx)
+
+    _slab.Slab.allocate, _slab.Slab.deallocate = locked_allocate, locked_deallocate
+    _slab.Slab._bench_locked = True
 
 
 def machine() -> dict[str, Any]:
@@ -313,6 +393,11 @@ def main() -> None:
     ap.add_argument("--staged", choices=("on", "off", "both"), default="both")
     ap.add_argument("--profile", action="store_true", help="also time every host call (1 run)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see the doc)")
+    ap.add_argument(
+        "--no-slab-lock",
+        action="store_true",
+        help="leave wasmtime-py's slabs unlocked (see lock_wasmtime_slabs)",
+    )
     ap.add_argument("--label", default="", help="what the figures are (tree, machine), saved with them")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -325,6 +410,8 @@ def main() -> None:
     from inferlets.host.limits import RunLimits
 
     torch.set_num_threads(args.threads)
+    if not args.no_slab_lock:
+        lock_wasmtime_slabs()
     counts = [int(c) for c in args.runs.split(",")]
     modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.staged]
     wasm = build_pie_component(PROJECT, cache_root() / "pie-build")
@@ -336,6 +423,7 @@ def main() -> None:
         "warm": WARM,
         "rounds": args.rounds,
         "prompt": PROMPT,
+        "wasmtime_slab_lock": not args.no_slab_lock,
     }
     limits = RunLimits(wall_s=600, fuel=10**12)
     for label, real in [("stand_in", False), *([] if args.no_real else [("tiny_model", True)])]:
