@@ -37,6 +37,7 @@ from inferlets.host.iface_speech import SpeechCalls
 from inferlets.host.limits import RunLimits
 from inferlets.host.pie_world import PieHost, check_imports, is_pie_world, link_pie_world, run_export
 from inferlets.host.state import RunState
+from inferlets.host.wasmtime_slab import install as _install_thread_safe_slabs
 from media import cache_scope, use_cache_scope
 from media.errors import PieMediaError
 
@@ -52,6 +53,7 @@ INTERFACES: dict[str, type] = {
 EPOCH_TICK_S = 0.01
 log = logging.getLogger("inferlets.host")
 _WASMTIME = importlib.metadata.version("wasmtime")
+_install_thread_safe_slabs()
 
 
 class _Ticker:
