@@ -40,7 +40,7 @@ MAIN = '''"""Answers a question about an image, an audio clip or a video, or spe
 import base64
 import json
 
-from inferlet import Model, Sampler
+from inferlet import Distribution, Model, Sampler
 from pie_sdk.pie_media import Audio, Image, MediaContext, MediaError, Video, speak
 
 
@@ -79,12 +79,21 @@ async def main(input: dict) -> str:
     else:
         parts = list(input["text"])
         ctx.user(*[items[p] if isinstance(p, int) else p for p in parts])
+    dist, probe = None, None
+    if input.get("flush"):
+        await ctx.flush()  # the media and the turn now; the first step is the cue alone
+    gen = ctx.generate(Sampler.argmax(), max_tokens=input["max_tokens"])
+    cue = len(ctx.buffer())
     tokens, prompt_rows, prompt_position = [], None, None
-    async for step in ctx.generate(Sampler.argmax(), max_tokens=input["max_tokens"]):
+    async for step in gen:
+        if input.get("flush") and prompt_rows is None:
+            probe = step.probe(cue - 1, Distribution(1.0, 5))
         out = await step.execute()
         tokens += out.tokens
         if prompt_rows is None:  # the first step placed the whole prompt
             prompt_rows, prompt_position = ctx.seq_len, ctx.position
+            if probe is not None:
+                dist = out.distribution(probe)
     layout = [
         {"rows": i.rows}
         if i.kind == "video"
@@ -105,6 +114,7 @@ async def main(input: dict) -> str:
             "rows": ctx.seq_len,
             "position": ctx.position,
             "layout": layout,
+            "dist": dist,
         }
     )
 '''
@@ -237,6 +247,31 @@ def test_image_question_equals_the_engine_chat_path(media_rt, wasm, model, sampl
     assert position == rows - item["token_count"] + item["position_span"]
     assert got["rows"] == rows + len(tokens) - 1  # the last token stays buffered
     assert got["position"] == position + len(tokens) - 1
+
+
+def test_next_token_distribution_equals_the_engines(media_rt, wasm, model, samples) -> None:
+    """Stronger than greedy tokens (a tiny model repeats itself): after ``flush`` placed the
+    image and the turn, the first step's top-5 distribution is the engine's for the same
+    prompt, to float32 rounding (the prompt went in two passes here, one there)."""
+    from media import Image
+
+    path = samples / "images" / "rgba.png"
+    got = ask(media_rt, wasm, "tiny", [("image", path)], [0, QUESTION], 3, flush=True)
+
+    async def go():
+        ctx = Context(model)
+        try:
+            ctx.turns([("user", (Image.from_path(path), QUESTION))])
+            ctx.cue()
+            return await ctx.decode_step_dist(top_n=5)
+        finally:
+            ctx.close()
+
+    want = asyncio.run(go())
+    ids, probs = got["dist"]
+    assert ids == want.ids.tolist()
+    np.testing.assert_allclose(probs, want.probs.tolist(), rtol=0, atol=2e-5)
+    assert got["tokens"] == engine_chat(model, (Image.from_path(path), QUESTION), 3)[0]
 
 
 def test_two_images_and_text_in_one_turn(media_rt, wasm, model, samples) -> None:
