@@ -229,9 +229,12 @@ class Speech:
         return self._pcm
 
     def pcm16(self) -> bytes:
-        """The samples as 16-bit little-endian integers (``round(x * 32767)``, clipped to
-        [-1, 1] first): what ``/v1/audio/speech`` sends as ``pcm`` and inside ``wav``."""
-        out = array("h", (round(min(1.0, max(-1.0, x)) * 32767) for x in self.pcm))
+        """The samples as 16-bit little-endian integers, as ``/v1/audio/speech`` sends them
+        (``pcm``, and inside ``wav``): clipped to [-1, 1], scaled by 32767 in float32 (the
+        exact product rounded to float32, as numpy multiplies a float32 array), rounded
+        half to even."""
+        scaled = array("f", (min(1.0, max(-1.0, x)) * 32767.0 for x in self.pcm))
+        out = array("h", (round(v) for v in scaled))
         if sys.byteorder == "big":  # pragma: no cover - wasm32 is little-endian
             out.byteswap()
         return out.tobytes()

@@ -175,6 +175,31 @@ def samples() -> Path:
     return ensure_samples()
 
 
+@pytest.fixture
+def voice_shim(monkeypatch):
+    """HOST BUG (inferlets/host/pie_core/audio_out.py, ``speech.generate``): wasmtime-py
+    lifts a variant whose cases' payloads differ in type untagged (``VariantLikeType._tagged``),
+    so Pie's ``voice`` (``speaker(u32)`` / ``named(string)``) reaches the host as a bare
+    ``int`` or ``str`` and ``voice.tag`` raises AttributeError: every ``speak`` from a Pie
+    guest fails (``test_speak_on_the_host_as_it_is``). Until it is fixed, the speech tests
+    tag the value before the host reads it (a no-op once the host gets a ``Variant``), so
+    they check the guest side and the PCM."""
+    from wasmtime import component as wc
+
+    from inferlets.host.pie_core.audio_out import AudioOut
+
+    generate = AudioOut.generate
+
+    def tagged(self, m, req):
+        v = req.voice
+        if not isinstance(v, wc.Variant):
+            req.voice = wc.Variant("speaker" if isinstance(v, int) else "named", v)
+        return generate(self, m, req)
+
+    tagged.__wit__ = generate.__wit__  # the host binds the methods marked with their WIT name
+    monkeypatch.setattr(AudioOut, "generate", tagged)
+
+
 # -- helpers -----------------------------------------------------------------------------------
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
@@ -344,7 +369,17 @@ def test_a_model_without_the_media_kind_is_a_media_error(media_rt, wasm, samples
     assert got["error"].startswith("Audio.from_bytes:") and "takes no audio" in got["error"]
 
 
-def test_speak_pcm_equals_in_process(media_rt, wasm, csm) -> None:
+@pytest.mark.xfail(
+    strict=True,
+    reason="host bug: audio_out.py reads voice.tag, but wasmtime-py lifts Pie's voice variant untagged "
+    "(a bare int / str); remove this mark and voice_shim when fixed",
+)
+def test_speak_on_the_host_as_it_is(media_rt, wasm) -> None:
+    got = run(media_rt, wasm, task="speak", model="tiny-csm", text="Hi.", voice=0, max_duration_ms=300)
+    assert "error" not in got, got["error"]
+
+
+def test_speak_pcm_equals_in_process(media_rt, wasm, csm, voice_shim) -> None:
     """``speak`` on the tiny CSM (greedy by its generation config) is ``model.speak``'s clip.
     A voice is a speaker id, or a name the speech model knows (its presets, a digit
     string); OpenAI's names are the HTTP layer's (``alloy`` is speaker 0 there), not the
@@ -352,6 +387,7 @@ def test_speak_pcm_equals_in_process(media_rt, wasm, csm) -> None:
     got = run(
         media_rt, wasm, task="speak", model="tiny-csm", text="Good morning.", voice=3, max_duration_ms=500
     )
+    assert "error" not in got, got["error"]
     clip = csm.speak("Good morning.", 3, max_duration=0.5)
     assert got["sample_rate"] == clip.sample_rate == 24000 and got["channels"] == 1
     np.testing.assert_array_equal(np.asarray(got["pcm"], dtype=np.float32), clip.pcm.reshape(-1))
@@ -414,33 +450,33 @@ def test_audio_answer_equals_chat_completions(media_rt, wasm, client, samples) -
     assert r.usage.prompt_tokens == got["prompt_rows"]
 
 
-def test_speak_pcm_equals_audio_speech(media_rt, wasm, client) -> None:
-    """The 16-bit PCM of ``Speech.pcm16()`` is byte for byte ``/v1/audio/speech``'s ``pcm``
-    for the same text, voice (``alloy`` is speaker 0) and duration; ``wav()`` is its WAV."""
-    got = run(
-        media_rt, wasm, task="speak", model="tiny-csm", text="Hello there.", voice=0, max_duration_ms=500
-    )
-    r = client.audio.speech.create(
-        model="tiny-csm",
-        voice="alloy",
-        input="Hello there.",
-        response_format="pcm",
-        extra_body={"max_duration": 0.5},
-    )
-    pcm16 = base64.b64decode(got["pcm16"])
-    assert len(pcm16) > 0 and pcm16 == r.content
-    wav = client.audio.speech.create(
-        model="tiny-csm",
-        voice="alloy",
-        input="Hello there.",
-        response_format="wav",
-        extra_body={"max_duration": 0.5},
-    )
+def test_speak_pcm_equals_audio_speech(media_rt, wasm, client, voice_shim) -> None:
+    """``Speech.pcm16()`` is byte for byte ``/v1/audio/speech``'s ``pcm`` for the same text,
+    voice (``alloy`` is speaker 0) and duration, sent whole (``?stream=false``: one Mimi
+    decode, as ``speak``; a streamed ``pcm`` decodes chunk by chunk, within float32 rounding
+    of it). ``wav()`` holds those samples. The route's whole ``wav`` is written by
+    libsndfile (soundfile, subtype PCM_16), which converts the floats its own way (on this
+    clip up to two steps from ``pcm``'s 32767-scaled samples)."""
     import io
 
     import soundfile as sf
 
+    got = run(
+        media_rt, wasm, task="speak", model="tiny-csm", text="Hello there.", voice=0, max_duration_ms=500
+    )
+    assert "error" not in got, got["error"]
+    args = {
+        "model": "tiny-csm",
+        "voice": "alloy",
+        "input": "Hello there.",
+        "extra_body": {"max_duration": 0.5},
+    }
+    pcm = client.audio.speech.create(response_format="pcm", extra_query={"stream": "false"}, **args)
+    pcm16 = base64.b64decode(got["pcm16"])
+    assert len(pcm16) > 0 and pcm16 == pcm.content
+    mine, rate = sf.read(io.BytesIO(base64.b64decode(got["wav"])), dtype="int16")
+    assert rate == got["sample_rate"] == 24000 and mine.tobytes() == pcm16
+    wav = client.audio.speech.create(response_format="wav", **args)
     theirs, rate = sf.read(io.BytesIO(wav.content), dtype="int16")
-    mine, mine_rate = sf.read(io.BytesIO(base64.b64decode(got["wav"])), dtype="int16")
-    assert rate == mine_rate == 24000
-    np.testing.assert_array_equal(mine, theirs)
+    assert rate == 24000 and len(theirs) == len(mine)
+    assert np.abs(mine.astype(np.int32) - theirs).max() <= 2
