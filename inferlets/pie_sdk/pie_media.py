@@ -374,17 +374,13 @@ class MediaContext(Context):
             self.append_image(frame)
         return self
 
-    def _append_part(self, part: Any) -> None:
+    def _append_part(self, part: Image | Audio | Video) -> None:
         if isinstance(part, Image):
             self.append_image(part)
         elif isinstance(part, Audio):
             self.append_audio(part)
-        elif isinstance(part, Video):
-            self.append_video(part)
         else:
-            raise TypeError(
-                f"a turn's part is text, an Image, an Audio or a Video, got {type(part).__name__}"
-            )
+            self.append_video(part)
 
     def _empty(self) -> bool:
         return self._seq_len == 0 and not self._pending_tokens and not self._pending_media
@@ -400,6 +396,11 @@ class MediaContext(Context):
         ``user`` always continues one. A single text part is Pie's ``user``/``first-user``."""
         if not parts:
             raise ValueError("user() takes at least one part")
+        for part in parts:
+            if not isinstance(part, str | Image | Audio | Video):
+                raise TypeError(
+                    f"a turn's part is text, an Image, an Audio or a Video, got {type(part).__name__}"
+                )
         first = self._empty()
         filler = _wchat.first_user if first else _wchat.user
         if len(parts) == 1 and isinstance(parts[0], str):
@@ -459,16 +460,10 @@ class MediaContext(Context):
             pos += item.position_span
             rows += item.token_count
             carry, start = list(item.suffix_tokens), at
-        self._pending_tokens = carry + tokens[start:]
-        self._pending_media = []
         self._reserve(rows)
-        try:
-            await await_future(
-                _call("MediaContext: placing media", fwd.execute), "MediaContext: placing media"
-            )
-        except BaseException:
-            self._pending_tokens, self._pending_media = tokens, media
-            raise
+        await await_future(_call("placing media", fwd.execute), "placing media: the pass gave no output")
+        self._pending_tokens = carry + tokens[start:]  # the buffer is kept until the pass is done
+        self._pending_media = []
         self._commit(rows)
         self._position = pos
 

@@ -40,7 +40,7 @@ MAIN = '''"""Answers a question about an image, an audio clip or a video, or spe
 import base64
 import json
 
-from inferlet import Distribution, Model, Sampler
+from inferlet import Distribution, Model, Sampler, chat
 from pie_sdk.pie_media import Audio, Image, MediaContext, MediaError, Video, speak
 
 
@@ -79,6 +79,30 @@ async def main(input: dict) -> str:
     else:
         parts = list(input["text"])
         ctx.user(*[items[p] if isinstance(p, int) else p for p in parts])
+    if input.get("manual"):  # a hand-driven decode loop (ctx.forward()) and a fork
+        await ctx.flush()
+        fork = ctx.fork()
+        stops, feed, manual = chat.stop_tokens(model), chat.cue(model), []
+        while len(manual) < input["max_tokens"]:
+            fwd = ctx.forward()
+            fwd.input(feed)
+            h = fwd.sample([len(feed) - 1], Sampler.argmax())
+            token = (await fwd.execute()).token(h)
+            if token in stops:
+                break
+            manual.append(token)
+            feed = [token]
+        forked = await fork.generate(Sampler.argmax(), max_tokens=input["max_tokens"]).collect_tokens()
+        return json.dumps(
+            {
+                "manual": manual,
+                "forked": forked,
+                "rows": ctx.seq_len,
+                "position": ctx.position,
+                "fork_rows": fork.seq_len,
+                "fork_position": fork.position,
+            }
+        )
     dist, probe = None, None
     if input.get("flush"):
         await ctx.flush()  # the media and the turn now; the first step is the cue alone
@@ -297,6 +321,22 @@ def test_next_token_distribution_equals_the_engines(media_rt, wasm, model, sampl
     assert ids == want.ids.tolist()
     np.testing.assert_allclose(probs, want.probs.tolist(), rtol=0, atol=2e-5)
     assert got["tokens"] == engine_chat(model, (Image.from_path(path), QUESTION), 3)[0]
+
+
+def test_a_hand_driven_loop_and_a_fork_keep_the_cursor(media_rt, wasm, model, samples) -> None:
+    """``ctx.forward()`` (Pie's ``Forward`` at the cursor), driven one token a pass as Pie's
+    examples do, and a ``fork`` taken after the image, both answer as the engine does."""
+    from media import Image
+
+    path = samples / "images" / "rgba.png"
+    got = ask(media_rt, wasm, "tiny", [("image", path)], [0, QUESTION], 6, manual=True)
+    tokens, _, prompt = engine_chat(model, (Image.from_path(path), QUESTION), 6)
+    assert got["manual"] == tokens and got["forked"] == tokens
+    _, position = engine_position(model, (Image.from_path(path), QUESTION))
+    # the loop fed the cue and every token but the last
+    assert got["rows"] == prompt + len(tokens) - 1
+    assert got["position"] == position + len(tokens) - 1
+    assert got["fork_position"] - got["fork_rows"] == got["position"] - got["rows"] < 0
 
 
 def test_two_images_and_text_in_one_turn(media_rt, wasm, model, samples) -> None:
