@@ -79,6 +79,15 @@ async def main(input: dict) -> str:
     else:
         parts = list(input["text"])
         ctx.user(*[items[p] if isinstance(p, int) else p for p in parts])
+    if input.get("reopen"):  # a snapshot reopened: the cursor given back by position=
+        await ctx.flush()
+        name = ctx.snapshot()
+        plain = MediaContext.open(model, name)
+        again = MediaContext.open(model, name, position=ctx.position)
+        tokens = await again.generate(Sampler.argmax(), max_tokens=input["max_tokens"]).collect_tokens()
+        return json.dumps(
+            {"tokens": tokens, "rows": plain.seq_len, "plain_position": plain.position, "position": ctx.position}
+        )
     if input.get("manual"):  # a hand-driven decode loop (ctx.forward()) and a fork
         await ctx.flush()
         fork = ctx.fork()
@@ -337,6 +346,17 @@ def test_a_hand_driven_loop_and_a_fork_keep_the_cursor(media_rt, wasm, model, sa
     assert got["rows"] == prompt + len(tokens) - 1
     assert got["position"] == position + len(tokens) - 1
     assert got["fork_position"] - got["fork_rows"] == got["position"] - got["rows"] < 0
+
+
+def test_a_reopened_snapshot_takes_its_cursor_back(media_rt, wasm, model, samples) -> None:
+    """A snapshot keeps rows, not the guest's cursor: ``open`` starts it at the row count
+    unless ``position=`` gives it back; given back, the answer is the engine's."""
+    from media import Image
+
+    path = samples / "images" / "rgba.png"
+    got = ask(media_rt, wasm, "tiny", [("image", path)], [0, QUESTION], 6, reopen=True)
+    assert got["plain_position"] == got["rows"] > got["position"]
+    assert got["tokens"] == engine_chat(model, (Image.from_path(path), QUESTION), 6)[0]
 
 
 def test_two_images_and_text_in_one_turn(media_rt, wasm, model, samples) -> None:
