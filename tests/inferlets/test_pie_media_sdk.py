@@ -10,7 +10,9 @@ helpers bundled asks about an image, an audio clip and a video, and speaks.
   with the same sampled frames as images; an image placed raw (``append_image``) equals the
   engine's raw ``append_image``.
 * ``speak`` on the tiny CSM returns the PCM of ``/v1/audio/speech`` for the same text,
-  voice and duration (the tiny CSM's generation config is greedy: no seed needed).
+  voice and duration (the tiny CSM's generation config is greedy: no seed needed). On the
+  host as it is, every guest ``speak`` fails (a host bug, ``voice_shim``'s doc): a strict
+  xfail shows it, and the speech tests run with the voice variant tagged for the host.
 """
 
 from __future__ import annotations
