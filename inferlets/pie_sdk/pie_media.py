@@ -271,11 +271,7 @@ def speak(model: Model, text: str, voice: int | str = 0, *, max_duration_ms: int
     ``"default"``; OpenAI's voice names are the HTTP layer's: ``/v1/audio/speech``'s
     ``alloy``, ``ash``, ... are speakers 0, 1, ...); ``max_duration_ms`` caps the clip
     (None: the model's default cap, within the run's speech limit). The host frames the
-    prompt as the model needs and runs the whole generation in this call.
-
-    Known host bug (pie-media at this module's writing): the host reads the ``voice``
-    variant as tagged, but wasmtime-py hands it over as a bare int / str, so the call fails
-    with "'int' object has no attribute 'tag'" (tests/inferlets/test_pie_media_sdk.py)."""
+    prompt as the model needs and runs the whole generation in this call."""
     if isinstance(voice, bool) or not isinstance(voice, int | str):
         raise TypeError(f"voice is a speaker id (int) or a voice name (str), got {voice!r}")
     v = _audio.Voice_Speaker(voice) if isinstance(voice, int) else _audio.Voice_Named(voice)

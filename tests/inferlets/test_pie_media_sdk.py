@@ -10,9 +10,9 @@ helpers bundled asks about an image, an audio clip and a video, and speaks.
   with the same sampled frames as images; an image placed raw (``append_image``) equals the
   engine's raw ``append_image``.
 * ``speak`` on the tiny CSM returns the PCM of ``/v1/audio/speech`` for the same text,
-  voice and duration (the tiny CSM's generation config is greedy: no seed needed). On the
-  host as it is, every guest ``speak`` fails (a host bug, ``voice_shim``'s doc): a strict
-  xfail shows it, and the speech tests run with the voice variant tagged for the host.
+  voice and duration (the tiny CSM's generation config is greedy: no seed needed); a voice
+  given by number or by name (wasmtime-py lifts Pie's ``voice`` variant untagged: a bare
+  int or str, which the host reads as such).
 """
 
 from __future__ import annotations
@@ -208,31 +208,6 @@ def samples() -> Path:
     from fixtures.samples import ensure_samples
 
     return ensure_samples()
-
-
-@pytest.fixture
-def voice_shim(monkeypatch):
-    """HOST BUG (inferlets/host/pie_core/audio_out.py, ``speech.generate``): wasmtime-py
-    lifts a variant whose cases' payloads differ in type untagged (``VariantLikeType._tagged``),
-    so Pie's ``voice`` (``speaker(u32)`` / ``named(string)``) reaches the host as a bare
-    ``int`` or ``str`` and ``voice.tag`` raises AttributeError: every ``speak`` from a Pie
-    guest fails (``test_speak_on_the_host_as_it_is``). Until it is fixed, the speech tests
-    tag the value before the host reads it (a no-op once the host gets a ``Variant``), so
-    they check the guest side and the PCM."""
-    from wasmtime import component as wc
-
-    from inferlets.host.pie_core.audio_out import AudioOut
-
-    generate = AudioOut.generate
-
-    def tagged(self, m, req):
-        v = req.voice
-        if not isinstance(v, wc.Variant):
-            req.voice = wc.Variant("speaker" if isinstance(v, int) else "named", v)
-        return generate(self, m, req)
-
-    tagged.__wit__ = generate.__wit__  # the host binds the methods marked with their WIT name
-    monkeypatch.setattr(AudioOut, "generate", tagged)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -431,17 +406,15 @@ def test_a_model_without_the_media_kind_is_a_media_error(media_rt, wasm, samples
     assert got["error"].startswith("Audio.from_bytes:") and "takes no audio" in got["error"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="host bug: audio_out.py reads voice.tag, but wasmtime-py lifts Pie's voice variant untagged "
-    "(a bare int / str); remove this mark and voice_shim when fixed",
-)
-def test_speak_on_the_host_as_it_is(media_rt, wasm) -> None:
-    got = run(media_rt, wasm, task="speak", model="tiny-csm", text="Hi.", voice=0, max_duration_ms=300)
-    assert "error" not in got, got["error"]
+def test_speak_takes_a_voice_by_number_or_name(media_rt, wasm) -> None:
+    for voice in (0, "0"):
+        got = run(
+            media_rt, wasm, task="speak", model="tiny-csm", text="Hi.", voice=voice, max_duration_ms=300
+        )
+        assert "error" not in got, got["error"]
 
 
-def test_speak_pcm_equals_in_process(media_rt, wasm, csm, voice_shim) -> None:
+def test_speak_pcm_equals_in_process(media_rt, wasm, csm) -> None:
     """``speak`` on the tiny CSM (greedy by its generation config) is ``model.speak``'s clip.
     A voice is a speaker id, or a name the speech model knows (its presets, a digit
     string); OpenAI's names are the HTTP layer's (``alloy`` is speaker 0 there), not the
@@ -512,7 +485,7 @@ def test_audio_answer_equals_chat_completions(media_rt, wasm, client, samples) -
     assert r.usage.prompt_tokens == got["prompt_rows"]
 
 
-def test_speak_pcm_equals_audio_speech(media_rt, wasm, client, voice_shim) -> None:
+def test_speak_pcm_equals_audio_speech(media_rt, wasm, client) -> None:
     """``Speech.pcm16()`` is byte for byte ``/v1/audio/speech``'s ``pcm`` for the same text,
     voice (``alloy`` is speaker 0) and duration, sent whole (``?stream=false``: one Mimi
     decode, as ``speak``; a streamed ``pcm`` decodes chunk by chunk, within float32 rounding

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from wasmtime import component as wc
 
 from inferlets.host.binding import Interface, Resource, wit
 from inferlets.host.errors import InferletLimitError
@@ -35,11 +36,15 @@ class AudioOut(Interface):
         if not isinstance(m.model, SpeechModel):
             raise InvalidRequestError(f"model {m.name!r} does not speak; load a speech model (CSM)")
         text = st.text(req.text, "the text to speak")
+        # wasmtime-py tags a variant only when two cases share a payload type: voice's
+        # speaker(u32) / named(string) arrive as a bare int or str.
         voice = req.voice
-        if voice.tag == "speaker":
-            speaker: Any = int(voice.payload)
+        if isinstance(voice, wc.Variant):
+            voice = voice.payload if voice.tag == "speaker" else str(voice.payload)
+        if isinstance(voice, int):
+            speaker: Any = int(voice)
         else:
-            name = str(voice.payload)
+            name = str(voice)
             speaker = int(name) if name.isdigit() else name
         cap = st.limits.max_speech_s
         ms = getattr(req, "max-duration-ms")
