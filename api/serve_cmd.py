@@ -230,7 +230,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.http.app import create_app
-    from api.http.security import ApiKeys, require_keys_or_loopback
+    from api.http.security.keys import ApiKeys, require_keys_or_loopback
     from api.http.settings import ServeSettings
 
     values = {

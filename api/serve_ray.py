@@ -21,7 +21,7 @@ State is shared through the store (``--state-db postgresql://...`` and a state f
 replicas see; without ``--state-db`` the SQLite files in the state folder are shared by
 replicas on one machine), so ``pie-media://ID`` uploaded through one replica is read by
 another, and batches and caption jobs are split between replicas by claims
-(``api.http.jobs_store``). A replica that dies: a request it had not started answering is
+(``api.http.stores.jobs``). A replica that dies: a request it had not started answering is
 sent to another replica (twice at most); a stream it was answering ends with an SSE
 ``error`` event; Ray starts a new replica.
 

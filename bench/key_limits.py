@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from api.http.files_store import FileStore
-from api.http.key_limits import KeyLimiter
-from api.http.security import ApiKeys, parse_key_file
-from api.http.tenancy import Caller
+from api.http.security.key_limits import KeyLimiter
+from api.http.security.keys import ApiKeys, parse_key_file
+from api.http.security.tenancy import Caller
+from api.http.stores.files import FileStore
 
 
 def _per_call_us(fn, n: int = 2000, repeat: int = 7) -> float:

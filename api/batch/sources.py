@@ -27,7 +27,7 @@ _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 @dataclass(frozen=True)
 class UrlOptions:
-    """How URL samples are fetched: the fetcher's rules (``api.http.remote_media``),
+    """How URL samples are fetched: the fetcher's rules (``api.http.security.remote_media``),
     retries of transient failures and the concurrency per host."""
 
     allow_http: bool = False

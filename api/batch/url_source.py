@@ -1,6 +1,6 @@
 """URLs as a caption source: a text file of URLs (one per line) or a Parquet URL column.
 
-Every URL goes through the service's SSRF-safe fetcher (``api.http.remote_media``:
+Every URL goes through the service's SSRF-safe fetcher (``api.http.security.remote_media``:
 public addresses only, checked redirects, size and time caps), at most
 ``UrlOptions.per_host`` at once per host, and a transient failure (a timeout, a refused
 connection, a 5xx or 429) is tried again up to ``UrlOptions.retries`` times with a short
@@ -39,7 +39,7 @@ def url_samples(shard: Any) -> Iterator[Sample]:
 
 
 def _transient(e: BaseException) -> bool:
-    from api.http.remote_media import RemoteMediaFetchError, RemoteMediaTimeoutError
+    from api.http.security.remote_media import RemoteMediaFetchError, RemoteMediaTimeoutError
 
     if isinstance(e, RemoteMediaTimeoutError):
         return True
@@ -58,7 +58,7 @@ def fetch_many(samples: list[Sample], options: Any) -> None:
 
 async def _fetch_all(samples: list[Sample], options: Any) -> None:
     from api.batch.records import error_dict
-    from api.http.remote_media import MediaFetcher
+    from api.http.security.remote_media import MediaFetcher
     from media import DEFAULT_LIMITS
 
     fetcher = MediaFetcher(

@@ -15,26 +15,26 @@ from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.http import pie_protocol
-from api.http.audit import configure_audit_log
 from api.http.deps import Service
 from api.http.errors import install_error_handlers
-from api.http.files_store import FileStore
-from api.http.index_open import open_index
-from api.http.inferlet_runs import RunTable
-from api.http.inferlets_store import InferletStore
-from api.http.job_runner import JobRunner
-from api.http.jobs_store import JobStore
-from api.http.key_limits import KeyLimitsMiddleware
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.openapi import install_openapi
 from api.http.registry import ModelRegistry, ServedModel, add_lora_modules
-from api.http.responses_store import ResponseStore
 from api.http.routes import ROUTERS, batches, health, ui
 from api.http.routes.media import token_counts
-from api.http.security import ApiKeys, LocalMediaPolicy, MediaFetcher, admin_only, bearer_auth
+from api.http.runs.inferlets import RunTable
+from api.http.runs.jobs import JobRunner
+from api.http.security.audit import configure_audit_log
+from api.http.security.key_limits import KeyLimitsMiddleware
+from api.http.security.keys import ApiKeys, LocalMediaPolicy, MediaFetcher, admin_only, bearer_auth
 from api.http.settings import ServeSettings
-from api.http.store import MediaStore
+from api.http.stores.files import FileStore
+from api.http.stores.index_open import open_index
+from api.http.stores.inferlets import InferletStore
+from api.http.stores.jobs import JobStore
+from api.http.stores.responses import ResponseStore
+from api.http.stores.uploads import MediaStore
 from api.http.warmup import warm_uploads
 from engine import freeze_startup_heap, unfreeze_startup_heap
 from inferlets import InferletRuntime, RunLimits

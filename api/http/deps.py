@@ -7,19 +7,19 @@ from typing import Any
 
 from fastapi import Request
 
-from api.http.files_store import FileStore
-from api.http.inferlet_runs import RunTable
-from api.http.inferlets_store import InferletStore
-from api.http.job_runner import JobRunner
-from api.http.jobs_store import JobStore
-from api.http.key_limits import KeyLimiter
 from api.http.media_refs import MediaResolver
 from api.http.metrics import ServiceMetrics
 from api.http.registry import ModelRegistry
-from api.http.responses_store import ResponseStore
-from api.http.schemas import ErrorResponse
+from api.http.runs.inferlets import RunTable
+from api.http.runs.jobs import JobRunner
+from api.http.schemas.chat import ErrorResponse
+from api.http.security.key_limits import KeyLimiter
 from api.http.settings import ServeSettings
-from api.http.store import MediaStore
+from api.http.stores.files import FileStore
+from api.http.stores.inferlets import InferletStore
+from api.http.stores.jobs import JobStore
+from api.http.stores.responses import ResponseStore
+from api.http.stores.uploads import MediaStore
 from api.http.uploads import ReceivedForm, receive_multipart
 
 _STATUS_TEXT = {
@@ -52,7 +52,7 @@ class Service:
     inferlets: Any = None
     """The ``inferlets.InferletRuntime`` over the served models (set once they are loaded)."""
     key_limits: KeyLimiter = field(default_factory=KeyLimiter)
-    """Per-key request, token, stream and storage limits (``api.http.key_limits``)."""
+    """Per-key request, token, stream and storage limits (``api.http.security.key_limits``)."""
 
     @staticmethod
     def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

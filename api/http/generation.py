@@ -9,9 +9,9 @@ from typing import Any
 
 from api.http.deps import Service
 from api.http.registry import ServedModel
-from api.http.schemas import PromptTokensDetails, ResponseFormat, Usage
+from api.http.schemas.chat import PromptTokensDetails, ResponseFormat, Usage
+from api.http.security.tenancy import ANONYMOUS, current_caller, enter
 from api.http.settings import ServeSettings
-from api.http.tenancy import ANONYMOUS, current_caller, enter
 from engine import (
     Completion,
     CompletionParams,

@@ -17,9 +17,9 @@ from collections import OrderedDict
 from typing import Any
 
 from api.http.errors import ServiceError
-from api.http.security import LocalMediaPolicy, MediaFetcher
-from api.http.store import MediaStore
-from api.http.tenancy import current_caller
+from api.http.security.keys import LocalMediaPolicy, MediaFetcher
+from api.http.security.tenancy import current_caller
+from api.http.stores.uploads import MediaStore
 from media import Audio, Image, InvalidRequestError, MediaLimits, Video, content_hash, decode_data_url
 
 DECODERS: dict[str, Any] = {"image": Image, "audio": Audio, "video": Video}

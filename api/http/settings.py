@@ -84,7 +84,7 @@ class ServeSettings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_file: Path | None = None
     """Plain keys one per line, or named keys with roles and limits (TOML ``[[keys]]`` or
-    JSON): ``api.http.security.parse_key_file``. Re-read on SIGHUP."""
+    JSON): ``api.http.security.keys.parse_key_file``. Re-read on SIGHUP."""
     audit_log: Path | None = None
     """Where the audit lines go (appended); default: standard error."""
     metrics_open: bool = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from api.http.schemas import ChatCompletionRequest, DeltaToolCall, FunctionCallOut, ToolCallOut
+from api.http.schemas.chat import ChatCompletionRequest, DeltaToolCall, FunctionCallOut, ToolCallOut
 from engine import Grammar, InvalidRequestError, ToolCall, ToolCallFormat, check_tools, tool_call_format
 from media import PieMediaError
 

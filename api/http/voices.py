@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from api.http.speech_schemas import Voice, VoiceList
+from api.http.schemas.speech import Voice, VoiceList
 from speech import MAX_SPEAKER_ID, SPEAKER_PRESETS
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer")

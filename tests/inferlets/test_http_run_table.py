@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from api.http.errors import ServiceError
-from api.http.inferlet_runs import RunTable
+from api.http.runs.inferlets import RunTable
 
 
 def test_running_runs_are_capped(rt, wasm, model) -> None:

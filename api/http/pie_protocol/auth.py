@@ -4,9 +4,9 @@
   "authentication is off"; the connection is then the anonymous admin, as an HTTP request
   without keys is.
 * ``auth_by_token``: one of the server's API keys (``--api-key-file`` / PIE_MEDIA_API_KEYS);
-  the connection then acts as that key's caller and tenant (``api/http/tenancy.py``).
+  the connection then acts as that key's caller and tenant (``api/http/security/tenancy.py``).
 * ``auth_identify`` + ``auth_prove``: the name of a key file entry that carries a
-  ``public_key`` (``api/http/security.py``); the server answers a random challenge (32
+  ``public_key`` (``api/http/security/keys.py``); the server answers a random challenge (32
   bytes, base64), the client signs the raw bytes, the server verifies: Ed25519, ECDSA
   P-256/SHA-256 and P-384/SHA-384 (DER), RSA PKCS#1 v1.5/SHA-256. A challenge is good for
   one ``auth_prove``."""
@@ -24,8 +24,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from api.http.security import ApiKeys, PublicKey
-from api.http.tenancy import ANONYMOUS, Caller
+from api.http.security.keys import ApiKeys, PublicKey
+from api.http.security.tenancy import ANONYMOUS, Caller
 
 AUTH_OFF = "Authenticated (Engine disabled authentication)"
 """The exact reply that tells pie-client the server does not authenticate."""

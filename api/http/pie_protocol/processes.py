@@ -1,4 +1,4 @@
-"""Processes of Pie's protocol over the server's one run table (``api/http/inferlet_runs.py``):
+"""Processes of Pie's protocol over the server's one run table (``api/http/runs/inferlets.py``):
 a process is an inferlet run, so one launched over the WebSocket is listed, read and
 cancelled under ``/v1/inferlets/.../runs`` too, and a run launched over HTTP can be listed,
 attached to and terminated over the WebSocket. Process ids are the runs' ids.
@@ -30,7 +30,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from api.http.inferlet_runs import RunRecord, RunTable
+from api.http.runs.inferlets import RunRecord, RunTable
 
 Sink = Callable[[str, str, "str | bytes"], None]
 """(process id, event, value): how a session takes a process's events (a ``file``'s value

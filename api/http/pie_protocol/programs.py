@@ -2,7 +2,7 @@
 (PROTOCOL.md §3, §5), installed per tenant.
 
 A program is ``name@version`` (from its manifest's ``[package]``) naming a component
-stored in the server's inferlet store (``api/http/inferlets_store.py``, by content, held by
+stored in the server's inferlet store (``api/http/stores/inferlets.py``, by content, held by
 the tenant), so ``/v1/inferlets`` lists it and HTTP runs can launch it by its id. What the
 protocol adds is kept beside it: ``<state>/pie_programs/<tenant mark>/<name>@<version>.json``
 (the store id, the blake3 hashes of the bytes and of the manifest, the manifest text).

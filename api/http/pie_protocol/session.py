@@ -16,7 +16,7 @@ hash, size, stalled) or names a process that has ended: the client gets a ``stde
 for that process, ``[pie-media] transfer_file ...: <why>``, and the process runs on.
 
 A connection runs at most ``MAX_LIVE_PROCESSES`` processes at once (launches past it are
-answered ok:false), each launch admitted by the key's limits (``api/http/key_limits.py``:
+answered ok:false), each launch admitted by the key's limits (``api/http/security/key_limits.py``:
 one request, one stream slot held while the process runs, refused while its token bucket is
 empty); installs, launches and terminations leave audit lines (``via: "pie"``).
 
@@ -36,7 +36,6 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from api.http.audit import audit
 from api.http.errors import ServiceError
 from api.http.pie_protocol import framing
 from api.http.pie_protocol.auth import Auth
@@ -52,7 +51,8 @@ from api.http.pie_protocol.programs import (
     install,
     split_ref,
 )
-from api.http.tenancy import enter
+from api.http.security.audit import audit
+from api.http.security.tenancy import enter
 from media.errors import PieMediaError
 
 log = logging.getLogger("pie_media.pie_protocol")

@@ -21,19 +21,19 @@ from typing import Any, Literal, get_args
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from api.http.audit import audit
-from api.http.completion_schemas import CompletionRequest
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError, error_body, status_for
-from api.http.jobs_store import JobRecord
-from api.http.responses_schemas import ResponsesRequest
 from api.http.routes.chat import complete_chat
 from api.http.routes.completions import complete_text
 from api.http.routes.embeddings import EmbeddingRequest, embed_request
 from api.http.routes.files import get_file
 from api.http.routes.responses import complete_response
-from api.http.schemas import ChatCompletionRequest
-from api.http.tenancy import current_caller
+from api.http.schemas.chat import ChatCompletionRequest
+from api.http.schemas.completions import CompletionRequest
+from api.http.schemas.responses import ResponsesRequest
+from api.http.security.audit import audit
+from api.http.security.tenancy import current_caller
+from api.http.stores.jobs import JobRecord
 from media import InvalidRequestError, PieMediaError
 
 router = APIRouter(tags=["batches"])

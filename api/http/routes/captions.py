@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 
 from api.http.deps import Service, get_service, multipart_body, receive_upload
 from api.http.disconnect import cancel_on_disconnect
-from api.http.schemas import CaptionResponse, CaptionResult, Usage
+from api.http.schemas.chat import CaptionResponse, CaptionResult, Usage
 from engine import Completion, CompletionParams, InvalidRequestError, Turn
 from engine.caption import DEFAULT_PROMPT
 from media import PieMediaError, open_media

@@ -23,7 +23,7 @@ from api.http.disconnect import cancel_on_disconnect
 from api.http.errors import ServiceError
 from api.http.generation import TokenTiming, completion_params, reasoning_of, scope_caches, usage_of
 from api.http.registry import ServedModel
-from api.http.schemas import (
+from api.http.schemas.chat import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,

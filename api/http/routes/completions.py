@@ -20,7 +20,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from api.http.completion_schemas import (
+from api.http.deps import Service, get_service
+from api.http.disconnect import cancel_on_disconnect
+from api.http.generation import TokenTiming, completion_params, scope_caches
+from api.http.registry import ServedModel
+from api.http.schemas.chat import PromptTokensDetails, Usage
+from api.http.schemas.completions import (
     DEFAULT_MAX_TOKENS,
     MAX_PROMPTS,
     CompletionChoice,
@@ -28,11 +33,6 @@ from api.http.completion_schemas import (
     CompletionRequest,
     TextCompletion,
 )
-from api.http.deps import Service, get_service
-from api.http.disconnect import cancel_on_disconnect
-from api.http.generation import TokenTiming, completion_params, scope_caches
-from api.http.registry import ServedModel
-from api.http.schemas import PromptTokensDetails, Usage
 from api.http.sse import EventStream, Last, error_event
 from engine import ChoiceEvent, Completion, CompletionParams, InvalidRequestError
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.http.deps import Service, get_service
 from api.http.routes.chat import _turns
-from api.http.schemas import ChatMessage, ContentPart
+from api.http.schemas.chat import ChatMessage, ContentPart
 from engine import POOLINGS, InvalidRequestError, embed_counted_async
 
 router = APIRouter(tags=["embeddings"])

@@ -12,12 +12,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError
-from api.http.files_store import FileRecord
 from api.http.routes.media import storage_room
-from api.http.tenancy import current_caller
+from api.http.security.audit import audit
+from api.http.security.tenancy import current_caller
+from api.http.stores.files import FileRecord
 from api.http.uploads import receive_multipart
 from media import InvalidRequestError
 

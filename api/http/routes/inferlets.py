@@ -30,12 +30,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.disconnect import ClientDisconnected, cancel_on_disconnect
 from api.http.errors import ServiceError
-from api.http.inferlet_runs import RunRecord
-from api.http.inferlet_schemas import (
+from api.http.runs.inferlets import RunRecord
+from api.http.schemas.inferlets import (
     InferletDeleted,
     InferletList,
     InferletObject,
@@ -44,8 +43,9 @@ from api.http.inferlet_schemas import (
     RunObject,
     RunRequest,
 )
-from api.http.inferlets_store import InferletRecord
-from api.http.tenancy import current_caller
+from api.http.security.audit import audit
+from api.http.security.tenancy import current_caller
+from api.http.stores.inferlets import InferletRecord
 from api.http.uploads import receive_multipart
 from inferlets import RunLimits
 

@@ -19,11 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.batch.file_source import expand_paths
 from api.batch.records import error_dict, make_record
-from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.errors import ServiceError
-from api.http.jobs_store import JobRecord
-from api.http.tenancy import current_caller
+from api.http.security.audit import audit
+from api.http.security.tenancy import current_caller
+from api.http.stores.jobs import JobRecord
 from api.http.uploads import receive_multipart
 from engine.caption import DEFAULT_PROMPT
 from media import InvalidRequestError, PieMediaError

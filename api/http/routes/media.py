@@ -14,12 +14,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from api.http.audit import audit
 from api.http.deps import Service, get_service, multipart_body, receive_upload
 from api.http.errors import ServiceError, error_body, status_for
-from api.http.key_limits import check_storage
-from api.http.schemas import MediaDeleted, MediaObject, MediaUploadResponse, MediaUploadResult
-from api.http.tenancy import current_caller
+from api.http.schemas.chat import MediaDeleted, MediaObject, MediaUploadResponse, MediaUploadResult
+from api.http.security.audit import audit
+from api.http.security.key_limits import check_storage
+from api.http.security.tenancy import current_caller
 from encoders import UnsupportedMediaKindError
 from media import PieMediaError, open_media
 

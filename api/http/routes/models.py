@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 
 from api.http.deps import Service, get_service
 from api.http.registry import ServedModel
-from api.http.schemas import ModelCard, ModelList
+from api.http.schemas.chat import ModelCard, ModelList
 
 router = APIRouter(tags=["models"])
 

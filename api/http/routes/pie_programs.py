@@ -36,11 +36,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.http.audit import audit
 from api.http.deps import Service, get_service, multipart_body
 from api.http.errors import ServiceError
-from api.http.inferlet_runs import RunRecord
-from api.http.inferlet_schemas import RunObject
 from api.http.pie_protocol.children import child_launcher
 from api.http.pie_protocol.mcp_relay import client_for
 from api.http.pie_protocol.processes import LaunchError, budget_of, launch_args
@@ -55,7 +52,10 @@ from api.http.pie_protocol.programs import (
     split_ref,
 )
 from api.http.pie_protocol.route import PieProtocol, protocol_state
-from api.http.tenancy import current_caller
+from api.http.runs.inferlets import RunRecord
+from api.http.schemas.inferlets import RunObject
+from api.http.security.audit import audit
+from api.http.security.tenancy import current_caller
 from api.http.uploads import receive_multipart
 from inferlets.pie_project import PieManifest
 from media.errors import PieMediaError

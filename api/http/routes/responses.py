@@ -24,11 +24,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import ValidationError
 
-from api.http.audit import audit
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
 from api.http.errors import ServiceError
-from api.http.responses_schemas import (
+from api.http.routes.chat import PreparedChat, prepare_chat
+from api.http.schemas.chat import ChatCompletionRequest
+from api.http.schemas.responses import (
     FunctionCallOutput,
     IncompleteDetails,
     InputTokensDetails,
@@ -42,10 +43,9 @@ from api.http.responses_schemas import (
     ResponsesRequest,
     ResponseUsage,
 )
-from api.http.routes.chat import PreparedChat, prepare_chat
-from api.http.schemas import ChatCompletionRequest
+from api.http.security.audit import audit
+from api.http.security.tenancy import current_caller
 from api.http.sse import EventStream, Last
-from api.http.tenancy import current_caller
 from engine import ChoiceEvent, InvalidRequestError, ToolCall
 
 router = APIRouter(tags=["responses"])

@@ -48,7 +48,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from api.http.deps import Service, get_service
 from api.http.disconnect import cancel_on_disconnect
-from api.http.speech_schemas import SpeechRequest, VoiceList
+from api.http.schemas.speech import SpeechRequest, VoiceList
 from api.http.voices import VOICES, voice_list
 from media import InvalidRequestError
 from speech import StreamEncoder, UnsupportedVoiceError, encode_pcm

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.http.deps import Service, get_service
 from api.http.routes.chat import _turns
-from api.http.schemas import MAX_MESSAGES, ChatMessage, ToolDef
+from api.http.schemas.chat import MAX_MESSAGES, ChatMessage, ToolDef
 from engine import Completion, CompletionParams, InvalidRequestError
 
 router = APIRouter(tags=["tokenize"])

@@ -19,8 +19,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from api.http.deps import Service, get_service, multipart_body, receive_upload
 from api.http.disconnect import cancel_on_disconnect
-from api.http.sse import EventStream, Last, error_event
-from api.http.transcription_schemas import (
+from api.http.schemas.transcriptions import (
     DEFAULT_MAX_TOKENS,
     TranscriptionForm,
     TranscriptionJson,
@@ -28,6 +27,7 @@ from api.http.transcription_schemas import (
     TranscriptionUsage,
     TranscriptionVerbose,
 )
+from api.http.sse import EventStream, Last, error_event
 from engine import CompletionParams, InvalidRequestError, Sampler
 from engine.transcription import Task, Transcript, Transcription
 from media import open_media

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from api.http.files_store import FileStore
-from api.http.index_open import open_index
-from api.http.jobs_store import JobStore
+from api.http.stores.files import FileStore
+from api.http.stores.index_open import open_index
+from api.http.stores.jobs import JobStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from api.http.errors import ServiceError
-from api.http.key_limits import KeyLimiter, _Bucket, check_storage
-from api.http.tenancy import Caller, KeyLimits
+from api.http.security.key_limits import KeyLimiter, _Bucket, check_storage
+from api.http.security.tenancy import Caller, KeyLimits
 
 
 def test_bucket_refills_at_the_per_minute_rate() -> None:

@@ -6,8 +6,8 @@ import asyncio
 from pathlib import Path
 
 from api.http.media_refs import DecodedMediaCache, MediaResolver
-from api.http.security import LocalMediaPolicy, MediaFetcher
-from api.http.store import MediaStore
+from api.http.security.keys import LocalMediaPolicy, MediaFetcher
+from api.http.stores.uploads import MediaStore
 from media import DEFAULT_LIMITS, Image
 
 
@@ -70,7 +70,7 @@ def test_a_zero_budget_keeps_nothing(tmp_path: Path, samples: Path) -> None:
 
 def test_fast_token_chunk_equals_the_pydantic_one() -> None:
     from api.http.routes.chat import chunk_head, token_chunk
-    from api.http.schemas import ChatCompletionChunk, ChunkChoice, Delta
+    from api.http.schemas.chat import ChatCompletionChunk, ChunkChoice, Delta
 
     head = chunk_head("chatcmpl-1", 17, 'tiny "model"')
     for index, text in [(0, "hi"), (3, 'quote " backslash \\ newline \n'), (1, "日本語 ✓"), (0, "\u2028")]:

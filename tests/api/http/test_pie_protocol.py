@@ -535,7 +535,7 @@ def test_a_connection_that_never_signs_in_is_closed(keyed: Server) -> None:
 
 
 def test_key_file_public_keys() -> None:
-    from api.http.security import ApiKeys, KeyFileError, parse_key_file
+    from api.http.security.keys import ApiKeys, KeyFileError, parse_key_file
 
     keys = _private_keys()
     text = (
@@ -612,7 +612,7 @@ def test_cli_ping_submit_and_abort_with_a_no_auth_config(
 
 def test_signatures_are_checked_over_the_raw_challenge(keypairs) -> None:
     from api.http.pie_protocol.auth import verify
-    from api.http.security import load_public_key
+    from api.http.security.keys import load_public_key
 
     for private, public in keypairs.values():
         key = ParsedPrivateKey.parse(private)

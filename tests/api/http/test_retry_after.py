@@ -12,10 +12,10 @@ import time
 import pytest
 
 from api.http.errors import ServiceError, error_response, retry_after_estimate
-from api.http.inferlet_runs import RunRecord, RunTable
-from api.http.key_limits import KeyLimiter
 from api.http.registry import ServedModel
-from api.http.tenancy import Caller, KeyLimits
+from api.http.runs.inferlets import RunRecord, RunTable
+from api.http.security.key_limits import KeyLimiter
+from api.http.security.tenancy import Caller, KeyLimits
 
 
 def test_the_estimate_is_the_median_duration_less_the_oldest_age() -> None:

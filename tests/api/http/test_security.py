@@ -29,7 +29,7 @@ import pytest
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from api.http.security import (
+from api.http.security.keys import (
     ApiKeys,
     ApiKeysRequiredError,
     LocalMediaPolicy,
@@ -781,7 +781,7 @@ def test_bearer_auth_dependency() -> None:
 def test_named_key_files_give_roles_tenants_and_limits(tmp_path: Path) -> None:
     import hashlib
 
-    from api.http.security import KeyFileError
+    from api.http.security.keys import KeyFileError
 
     toml = tmp_path / "keys.toml"
     toml.write_text(

@@ -340,7 +340,7 @@ def test_several_images_fetched_together_keep_their_order(
 
 def test_more_messages_than_openai_takes_is_a_400(server: Server) -> None:
     """OpenAI's limit, 2048 messages; the 2049th is refused before any template runs."""
-    from api.http.schemas import MAX_MESSAGES
+    from api.http.schemas.chat import MAX_MESSAGES
 
     body = {
         "model": QWEN,

@@ -1,4 +1,4 @@
-"""``api.http.store.MediaStore``: real files in a temp folder and a real index, each test on
+"""``api.http.stores.uploads.MediaStore``: real files in a temp folder and a real index, each test on
 both backends (SQLite, the default; PostgreSQL, the shared one: ``state_db`` in
 tests/api/conftest.py)."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from api.http.index_open import open_index
-from api.http.store import MediaNotFoundError, MediaRecord, MediaStore, is_media_id
+from api.http.stores.index_open import open_index
+from api.http.stores.uploads import MediaNotFoundError, MediaRecord, MediaStore, is_media_id
 from media.errors import InvalidRequestError, PieMediaError
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from api.http.files_store import FileStore
-from api.http.index_open import open_index
-from api.http.inferlets_store import InferletStore
-from api.http.jobs_store import JobStore
-from api.http.responses_store import ResponseStore
-from api.http.store import MediaStore
+from api.http.stores.files import FileStore
+from api.http.stores.index_open import open_index
+from api.http.stores.inferlets import InferletStore
+from api.http.stores.jobs import JobStore
+from api.http.stores.responses import ResponseStore
+from api.http.stores.uploads import MediaStore
 
 pytestmark = pytest.mark.timeout(60)
 

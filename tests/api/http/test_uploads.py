@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def make_app(state_dir: Path) -> FastAPI:
-    from api.http.store import MediaStore
+    from api.http.stores.uploads import MediaStore
     from api.http.uploads import MalformedUploadError, UploadTooLargeError, receive_multipart
 
     store = MediaStore(state_dir)
@@ -398,7 +398,7 @@ def test_concurrent_uploads(srv: Server) -> None:
 
 
 def test_spooled_files_move_into_the_store(srv: Server) -> None:
-    from api.http.store import MediaStore
+    from api.http.stores.uploads import MediaStore
 
     payload = os.urandom(100 * KiB)
     files = [("file", ("a.bin", payload, "application/octet-stream"))]

@@ -1,4 +1,4 @@
-"""Caption jobs and batches that survive a crash, in an :class:`~api.http.index_db.IndexDB`
+"""Caption jobs and batches that survive a crash, in an :class:`~api.http.stores.index_db.IndexDB`
 (SQLite under the state dir by default; PostgreSQL shared by replicas).
 
 A job is a row; each of its items is a row keyed by (job, index) holding the media id and,
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.http.index_db import IndexDB, SqliteIndex
-from api.http.sql_dialect import tenant_clause
+from api.http.stores.index_db import IndexDB, SqliteIndex
+from api.http.stores.sql_dialect import tenant_clause
 
 FINAL = ("completed", "cancelled", "failed")
 
@@ -85,7 +85,7 @@ class JobRecord:
     finished_at: float | None
     error: str | None
     tenant: str = ""
-    """Who made it (``api.http.tenancy``): only that tenant and admins see it."""
+    """Who made it (``api.http.security.tenancy``): only that tenant and admins see it."""
     done: int = 0
     failed: int = 0
 

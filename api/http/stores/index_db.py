@@ -5,7 +5,7 @@ there are two:
 
 - :class:`SqliteIndex` (the embedded default): one SQLite file per store under the state
   folder, WAL and ``synchronous=FULL``; one server process.
-- :class:`api.http.index_postgres.PostgresIndex` (``--state-db postgresql://...``): one
+- :class:`api.http.stores.index_postgres.PostgresIndex` (``--state-db postgresql://...``): one
   PostgreSQL database shared by every replica, with the state folder on a shared
   filesystem for the blobs (same layout).
 
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from api.http.sql_dialect import fill_words
+from api.http.stores.sql_dialect import fill_words
 
 
 class Rows(Protocol):

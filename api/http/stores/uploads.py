@@ -5,7 +5,7 @@ Layout under ``root`` (the service's ``--media-dir``)::
     files/media-<content_hash>   the uploaded bytes, exactly as received
     spool/                       uploads being received (same filesystem: moved, not copied)
     media.sqlite3                the index (WAL, synchronous=FULL), unless another
-                                 :class:`~api.http.index_db.IndexDB` is given (PostgreSQL
+                                 :class:`~api.http.stores.index_db.IndexDB` is given (PostgreSQL
                                  for replicas sharing this folder: ``spool/<host>/`` then)
 
 An id is ``"media-" + content_hash``, so the same bytes get the same id and a second
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api.http.index_db import IndexDB, SqliteIndex
+from api.http.stores.index_db import IndexDB, SqliteIndex
 from api.http.uploads import spool_owner_pid
 from media.errors import InvalidRequestError, PieMediaError
 

@@ -1,5 +1,5 @@
 """Files of the OpenAI Files API (batch inputs and outputs): content under the state dir,
-an index in an :class:`~api.http.index_db.IndexDB` (SQLite by default, PostgreSQL shared by
+an index in an :class:`~api.http.stores.index_db.IndexDB` (SQLite by default, PostgreSQL shared by
 replicas), surviving restarts like uploads and jobs."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from api.http.index_db import IndexDB, SqliteIndex
-from api.http.sql_dialect import tenant_clause
+from api.http.stores.index_db import IndexDB, SqliteIndex
+from api.http.stores.sql_dialect import tenant_clause
 
 _ID = re.compile(r"^file-[0-9a-f]{32}$")
 _COLUMNS = "id, filename, purpose, bytes, created_at, tenant"
@@ -27,7 +27,7 @@ class FileRecord:
     bytes: int
     created_at: float
     tenant: str = ""
-    """Who made it (``api.http.tenancy``): only that tenant and admins see it."""
+    """Who made it (``api.http.security.tenancy``): only that tenant and admins see it."""
 
 
 class FileStore:

@@ -1,5 +1,5 @@
 """The service's security rules in one place: API keys (constant-time bearer check,
-keys required off loopback) and, re-exported from ``api.http.remote_media``, the
+keys required off loopback) and, re-exported from ``api.http.security.remote_media``, the
 SSRF-checked remote media fetcher and the ``file://`` folder policy."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic import Field as PydField
 
-from api.http.remote_media import (
+from api.http.security.remote_media import (
     METADATA_ADDRESSES,
     FetchedMedia,
     LocalMediaPolicy,
@@ -31,7 +31,7 @@ from api.http.remote_media import (
     RemoteMediaTooLargeError,
     address_refusal,
 )
-from api.http.tenancy import ANONYMOUS, Caller, KeyLimits, Role, enter
+from api.http.security.tenancy import ANONYMOUS, Caller, KeyLimits, Role, enter
 from media import PieMediaError
 
 __all__ = [
@@ -370,7 +370,7 @@ _bearer_scheme = HTTPBearer(auto_error=False, description="One of the server's A
 def bearer_auth(keys: ApiKeys, *, share_caches: bool = False) -> Callable[..., Awaitable[Caller]]:
     """A FastAPI dependency: 401 (OpenAI error shape, ``WWW-Authenticate: Bearer``)
     unless the request carries ``Authorization: Bearer <key>``; the key's ``Caller`` becomes
-    the current one (``api.http.tenancy``) and ``request.state.caller``. With no keys
+    the current one (``api.http.security.tenancy``) and ``request.state.caller``. With no keys
     configured every request is the anonymous admin (``require_keys_or_loopback`` guards
     that case). The caches (prefix pages, encoder outputs) are scoped to the key's tenant
     unless ``share_caches`` (``--share-prefix-cache``)."""

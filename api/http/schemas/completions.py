@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from api.http.schemas import GenerationRequest, Usage
+from api.http.schemas.chat import GenerationRequest, Usage
 
 MAX_PROMPTS = 64
 """Prompts one request may carry (each its own context; choice ``i`` of prompt ``p`` is

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from api.http.tenancy import current_caller
+from api.http.security.tenancy import current_caller
 
 log = logging.getLogger("pie_media.audit")
 

@@ -24,11 +24,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from api.batch.records import error_dict, make_record
-from api.http.jobs_store import JobRecord, JobStore
 from api.http.media_refs import MediaResolver
 from api.http.registry import ModelRegistry
-from api.http.store import MediaStore
-from api.http.tenancy import enter, owner_of_tenant
+from api.http.security.tenancy import enter, owner_of_tenant
+from api.http.stores.jobs import JobRecord, JobStore
+from api.http.stores.uploads import MediaStore
 from engine import caption_async
 from media import PieMediaError
 

@@ -1,7 +1,7 @@
 """Stored responses of the Responses API (``store: true``, the default): the response as
 it was answered, and its conversation as chat messages (input and output, without the
 instructions), which a request naming it as ``previous_response_id`` continues. Rows in an
-:class:`~api.http.index_db.IndexDB` (SQLite by default, PostgreSQL shared by replicas), so
+:class:`~api.http.stores.index_db.IndexDB` (SQLite by default, PostgreSQL shared by replicas), so
 a response made on one replica continues on another and after a restart."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from api.http.index_db import IndexDB, SqliteIndex
-from api.http.sql_dialect import tenant_clause
+from api.http.stores.index_db import IndexDB, SqliteIndex
+from api.http.stores.sql_dialect import tenant_clause
 
 _ID = re.compile(r"^resp_[0-9a-f]{32}$")
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.http.errors import RECENT_DURATIONS, ServiceError, error_response, retry_after_estimate
-from api.http.tenancy import Caller
+from api.http.security.tenancy import Caller
 
 GENERATION_PATHS = frozenset(
     {

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.http.schemas import MAX_MESSAGES, GrammarFormat, InputAudio, JsonSchemaSpec, RegexFormat
+from api.http.schemas.chat import MAX_MESSAGES, GrammarFormat, InputAudio, JsonSchemaSpec, RegexFormat
 
 
 class _Lenient(BaseModel):

@@ -1,0 +1,1 @@
+"""Work that outlives a request: caption / batch jobs and inferlet runs."""
