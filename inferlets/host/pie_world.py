@@ -39,6 +39,7 @@ from inferlets.host.pie_mcp.client import Client
 from inferlets.host.pie_mcp.types import McpTypes
 from inferlets.host.pie_zo.zo import Zo
 from inferlets.host.state import RunState
+from inferlets.host.typed_funcs import add_typed_func
 from inferlets.host.wasi.poll import Waiter
 from inferlets.host.wasi.streams import IoError, OutputStream
 
@@ -292,9 +293,11 @@ def link_pie_world(engine: wasmtime.Engine, comp: wc.Component, host: PieHost) -
                     if attr is None and is_wasi:
                         continue  # wasmtime's own function stays
                     method = getattr(iface, attr) if attr is not None else None
-                    inst.add_func(
+                    add_typed_func(
+                        inst,
                         fname,
                         host_function(base, fname, method, t, table, resource_of, host.state.check, on_trap),
+                        t,
                     )
     return linker
 
