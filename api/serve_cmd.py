@@ -294,7 +294,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except PieMediaError as e:  # e.g. the state database cannot be reached
         print(f"pie-media serve: {e.message}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        ws_per_message_deflate=settings.ws_compression,
+    )
     return 0
 
 

@@ -193,6 +193,10 @@ class ServeSettings(BaseSettings):
     pie_auth_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     """Pie's protocol (the WebSocket at ``/``): a connection that has not authenticated after
     this long is closed."""
+    ws_compression: bool = False
+    """permessage-deflate on WebSockets (Pie's protocol). Off: its events are small msgpack
+    frames, which compression makes dearer to send and to decode than to carry (bench/
+    pie_protocol.py); a client that offers it gets plain frames."""
     pie_upload_timeout_s: float = Field(default=60.0, gt=0, le=3600)
     """Pie's protocol: an ``add_program`` upload with no chunk for this long is answered
     ok:false (a stream that stopped part-way) and dropped."""
