@@ -10,6 +10,7 @@ import functools
 import hashlib
 import importlib.metadata
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -133,6 +134,7 @@ class InferletRuntime:
         self.limits = limits or RunLimits()
         self._components: dict[str, wc.Component] = {}
         self._worlds: dict[str, bool] = {}
+        self._file_keys: dict[tuple[str, int, int], str] = {}
         self._lock = threading.Lock()
         # Guests spend most of their time waiting on host calls: one thread each, more than
         # asyncio's default executor gives (cores + 4), so concurrent runs batch together.
@@ -142,9 +144,22 @@ class InferletRuntime:
         return f"InferletRuntime(models={sorted(self.models)}, cache={str(self.cache_dir)!r})"
 
     def component(self, wasm: bytes | Path) -> tuple[str, wc.Component]:
-        """(content hash, compiled component); compiled once, then deserialized from disk."""
-        data = Path(wasm).read_bytes() if isinstance(wasm, Path) else wasm
-        key = hashlib.sha256(data).hexdigest()[:32]
+        """(content hash, compiled component); compiled once, then deserialized from disk. A
+        file's hash is remembered by (path, size, mtime): a launch does not re-read and hash
+        a 21 MB component it has seen (bench/pie_protocol.py found that the launch's largest
+        cost)."""
+        if isinstance(wasm, str | Path):
+            st = os.stat(wasm)
+            stamp = (str(wasm), st.st_size, st.st_mtime_ns)
+            key = self._file_keys.get(stamp)
+            if key is not None and key in self._components:
+                return key, self._components[key]
+            data = Path(wasm).read_bytes()
+            key = hashlib.sha256(data).hexdigest()[:32]
+            self._file_keys[stamp] = key
+        else:
+            data = wasm
+            key = hashlib.sha256(data).hexdigest()[:32]
         with self._lock:
             if key in self._components:
                 return key, self._components[key]
