@@ -283,23 +283,15 @@ class InferletRuntime:
             wasi.stdout_custom = _output_writer("stdout", state.output)
             wasi.stderr_custom = _output_writer("stderr", state.output)
         store.set_wasi(wasi)
-        linker = self._linker(state)
-        try:
-            try:
-                instance = linker.instantiate(store, comp)
-            except wasmtime.WasmtimeError as e:
-                raise InvalidComponentError(
-                    "the component does not fit this host's world (pie:media/inferlet)", detail=str(e)[:300]
-                ) from None
-            run = instance.get_func(store, "run")
-            if run is None:
-                raise InvalidComponentError("the component exports no run function")
-            out = run(store)
-        except wasmtime.WasmtimeError as e:
-            raise _ended(state, e, pie=False) from None
-        finally:
-            host.close()
-            store.close()
+        out = self._instantiate_and_run(
+            state,
+            host,
+            store,
+            self._linker(state),
+            comp,
+            "this host's world (pie:media/inferlet)",
+            self._legacy_run,
+        )
         _check_ended(state)
         if isinstance(out, wc.Variant):
             if out.tag == "ok":
@@ -324,6 +316,39 @@ class InferletRuntime:
         store.set_epoch_deadline(max(1, int(limits.wall_s / EPOCH_TICK_S)))
         return store
 
+    @staticmethod
+    def _legacy_run(instance: Any, store: wasmtime.Store) -> Any:
+        run = instance.get_func(store, "run")
+        if run is None:
+            raise InvalidComponentError("the component exports no run function")
+        return run(store)
+
+    @staticmethod
+    def _instantiate_and_run(
+        state: RunState,
+        host: PieHost,
+        store: wasmtime.Store,
+        linker: wc.Linker,
+        comp: wc.Component,
+        world: str,
+        start: Callable[[Any, wasmtime.Store], Any],
+    ) -> Any:
+        """Instantiate and call the entry point (``start``); a trap becomes the run's typed
+        error (``_ended``); the run's host and store close however it ends."""
+        try:
+            try:
+                instance = linker.instantiate(store, comp)
+            except wasmtime.WasmtimeError as e:
+                raise InvalidComponentError(
+                    f"the component does not fit {world}", detail=str(e)[:600]
+                ) from None
+            return start(instance, store)
+        except wasmtime.WasmtimeError as e:
+            raise _ended(state, e) from None
+        finally:
+            host.close()
+            store.close()
+
     def _pie_host(self, state: RunState) -> PieHost:
         return PieHost(
             state,
@@ -340,19 +365,19 @@ class InferletRuntime:
         store.set_wasi(wasmtime.WasiConfig())
         try:
             linker = link_pie_world(self.engine, comp, host)
-            try:
-                instance = linker.instantiate(store, comp)
-            except wasmtime.WasmtimeError as e:
-                raise InvalidComponentError(
-                    "the component does not fit Pie 0.4.0's world as this host serves it", detail=str(e)[:600]
-                ) from None
-            run = run_export(instance, store, comp, self.engine)
-            out = run(store, state.args[0] if state.args else "{}")
-        except wasmtime.WasmtimeError as e:
-            raise _ended(state, e, pie=True) from None
-        finally:
+        except BaseException:
             host.close()
             store.close()
+            raise
+
+        def start(instance: Any, store: wasmtime.Store) -> Any:
+            return run_export(instance, store, comp, self.engine)(
+                store, state.args[0] if state.args else "{}"
+            )
+
+        out = self._instantiate_and_run(
+            state, host, store, linker, comp, "Pie 0.4.0's world as this host serves it", start
+        )
         _check_ended(state)
         if isinstance(out, wc.Variant):
             if out.tag == "ok":
@@ -361,14 +386,14 @@ class InferletRuntime:
         return str(out)
 
 
-def _ended(state: RunState, e: wasmtime.WasmtimeError, *, pie: bool) -> Exception:
+def _ended(state: RunState, e: wasmtime.WasmtimeError) -> Exception:
     """The typed error a trapped run ends with: cancelled, a refused host call's own error
     (deadline, budget), the wall clock, or the trap's reason."""
     msg = str(e)
     log.debug("inferlet run trapped: %s", msg)
     if state.control is not None and state.control.cancelled:
         return InferletCancelledError("the run was cancelled")
-    if pie and state.ended_by is not None:
+    if state.ended_by is not None:
         return state.ended_by
     if "interrupt" in msg:
         return InferletTimeoutError(f"inferlet passed its {state.limits.wall_s} s deadline")
