@@ -134,3 +134,50 @@ def test_mcp_example_calls_the_clients_stdio_server(srv: App, tmp_path: Path) ->
     out = json.loads(ev[-1][1])
     assert out["servers"] == ["demo"] and out["result"] == "echo: hi there"
     assert [t["name"] for t in json.loads(out["tools_json"])["tools"]] == ["add", "slow"]
+
+
+PARENT = '''
+import json
+
+from inferlet._async import await_future
+from wit_world.imports import runtime as _rt
+
+
+async def main(input: dict) -> str:
+    child = _rt.launch(input["program"], json.dumps(input.get("input", {})))
+    pid = child.pid()
+    result = await await_future(child, "the child did not finish")
+    return json.dumps({"pid": pid, "ok": type(result).__name__ == "Ok", "value": result.value})
+'''
+
+
+def test_a_child_runs_in_its_parents_tenant(srv: App, tmp_path: Path) -> None:
+    """Pie's runtime.launch: the child is a program installed for the parent's tenant, its
+    result comes back to the parent, and it is a run of that tenant in the run table."""
+    from fixtures.paths import cache_root
+    from inferlets.build import build_pie_component
+
+    project = tmp_path / "parent"
+    project.mkdir()
+    (project / "Pie.toml").write_text('[package]\nname = "parent"\nversion = "0.1.0"\n')
+    (project / "main.py").write_text(PARENT)
+    wasm = build_pie_component(project, cache_root() / "pie-build")
+
+    async def go() -> list[tuple[str, Any]]:
+        async with PieClient(srv.ws) as c:
+            await c.authenticate("tester")
+            await c.install_program(wasm, project / "Pie.toml")
+            p = await c.launch_process("parent@0.1.0", {"program": "py-concurrency-test@0.1.0"})
+            ok = await events(p)
+            q = await c.launch_process("parent@0.1.0", {"program": "nope@9.9.9"})
+            return ok + [("second", await events(q))]
+
+    ev = run(go())
+    second = ev.pop()[1]
+    assert ev[-1][0] == "return", ev
+    out = json.loads(ev[-1][1])
+    assert out["ok"] and out["value"] == "done"
+    child = srv.rec(out["pid"])
+    parent_tenant = next(r.tenant for r in srv.service.inferlet_runs.list(scope=None) if r.id != out["pid"])
+    assert child is not None and child.tenant == parent_tenant and child.status == "succeeded"
+    assert second[-1][0] == "error" and "not installed" in str(second[-1][1])
