@@ -35,5 +35,6 @@ def test_running_runs_are_capped(rt, wasm, model) -> None:
         await table.shutdown()
         assert all(r.done for r in runs)
 
+    in_use = model.pool.stats().in_use  # contexts other tests saved keep theirs
     asyncio.run(main())
-    assert model.pool.stats().in_use == 0
+    assert model.pool.stats().in_use == in_use

@@ -126,8 +126,13 @@ def test_hierarchical_attention_masks_rows(pie_rt, bundle) -> None:
 
 def test_modular_cache_reuses_saved_prefixes_and_equals_engine_greedy(pie_rt, bundle, model) -> None:
     prompt = "Explain modular KV caching."
-    first, _, out1 = run(pie_rt, bundle, "modular-cache-python", prompt=prompt, max_tokens=8)
-    second, _, out2 = run(pie_rt, bundle, "modular-cache-python", prompt=prompt, max_tokens=8)
+    saved_before = set(model.saved_names())
+    try:
+        first, _, out1 = run(pie_rt, bundle, "modular-cache-python", prompt=prompt, max_tokens=8)
+        second, _, out2 = run(pie_rt, bundle, "modular-cache-python", prompt=prompt, max_tokens=8)
+    finally:  # the saved prefixes pin pages; other tests count the pool
+        for name in set(model.saved_names()) - saved_before:
+            model.delete_saved(name)
     assert "cache_miss" in out1 and out1.count("saved=") == 4
     assert "cache_hit_modules=4" in out2 and "saved=" not in out2.replace("save_skipped", "")
     fmt = InstructFormat.for_model(model)
