@@ -16,7 +16,7 @@ from inferlets import InferletRun, InferletRuntime
 from inferlets.host.limits import RunLimits
 
 MAIN = textwrap.dedent(
-    '''
+    """
     import json
 
     from wit_world.imports import inference as _inf
@@ -90,7 +90,7 @@ MAIN = textwrap.dedent(
         except Exception as e:
             out["adapter"]["duplicate"] = str(e)
         return json.dumps(out)
-    '''
+    """
 )
 
 
@@ -122,7 +122,9 @@ def test_every_interface_answers_as_the_engine(tour, model) -> None:
     assert tok["hello"] == model.tokenize("hello world") and tok["back"] == "hello world"
     assert tok["vocab"] == len(model.tokenizer) and tok["regex"]
     assert bytes(tok["piece_of_hello"]) == b"hello"
-    assert set(tok["special"]) <= set(model.tokenizer.all_special_ids) | set(model.tokenizer.added_tokens_decoder)
+    assert set(tok["special"]) <= set(model.tokenizer.all_special_ids) | set(
+        model.tokenizer.added_tokens_decoder
+    )
     assert out["runtime"] == {"version": "0.4.0", "user": "ada", "models": ["tiny"], "instance": 36}
     assert out["scheduling"] == [0.0, 0.0, 0.0, 0.0, True]
     fmt = InstructFormat.for_model(model)

@@ -136,7 +136,7 @@ def test_mcp_example_calls_the_clients_stdio_server(srv: App, tmp_path: Path) ->
     assert [t["name"] for t in json.loads(out["tools_json"])["tools"]] == ["add", "slow"]
 
 
-PARENT = '''
+PARENT = """
 import json
 
 from inferlet._async import await_future
@@ -148,7 +148,7 @@ async def main(input: dict) -> str:
     pid = child.pid()
     result = await await_future(child, "the child did not finish")
     return json.dumps({"pid": pid, "ok": type(result).__name__ == "Ok", "value": result.value})
-'''
+"""
 
 
 def test_a_child_runs_in_its_parents_tenant(srv: App, tmp_path: Path) -> None:
