@@ -513,7 +513,10 @@ class MediaContext(Context):
 
     def generate(self, sampler: Any, **kwargs: Any) -> MediaGenerator:
         """Pie's ``generate`` (same keywords); its first step places the buffered media, and
-        every step's tokens take positions from the cursor."""
+        every step's tokens take positions from the cursor. System speculation is off unless
+        asked for (``system_speculation=True``): drafts a step accepts past ``max_tokens``
+        stay in the context's rows, which the cursor would then count as the answer's."""
+        kwargs.setdefault("system_speculation", False)
         gen = super().generate(sampler, **kwargs)
         gen.__class__ = MediaGenerator
         return gen  # type: ignore[return-value]

@@ -272,3 +272,35 @@ def test_cli_builds_a_pie_project_and_checks_its_input(capsys) -> None:
     code = main(["inferlet", "run", wasm, "--manifest", str(manifest), "--", '{"prompt": 3}'])
     assert code == 2
     assert "parameter 'prompt' must be string" in capsys.readouterr().err
+
+
+def test_greedy_generation_speculates_and_stays_exact(pie_rt, bundle, model) -> None:
+    """Pie's system speculation (default-system-speculation is on for text models): an argmax
+    generator feeds the engine's prompt-lookup drafts back as speculative tokens, so the
+    tiny model's repetitive greedy text takes fewer passes than tokens, and the text still
+    equals plain greedy decoding."""
+    prompt = "x y"
+    saved_before = set(model.saved_names())
+    try:
+        before = model.metrics().passes
+        out, _, _ = run(
+            pie_rt,
+            bundle,
+            "modular-cache-python",
+            prompt=prompt,
+            max_tokens=48,
+            save_cache=False,
+            use_cache=False,
+        )
+        passes = model.metrics().passes - before
+    finally:
+        for name in set(model.saved_names()) - saved_before:
+            model.delete_saved(name)
+    fmt = InstructFormat.for_model(model)
+    tokens = fmt.system("You are a concise technical assistant.")
+    tokens += fmt.user("Explain simply first, then give implementation details.")
+    tokens += fmt.user("Pie inferlets can control forward passes, KV cache snapshots, and generation loops.")
+    tokens += fmt.user(prompt) + fmt.cue()
+    want = greedy_text(model, tokens, 48)
+    assert out == want
+    assert len(model.tokenize(want)) >= 40 and passes < 40  # 4 prefill passes + well under one a token

@@ -231,7 +231,9 @@ class Inference(Interface):
                     getattr(fp, f"input_{kind}")(a.placed(ctx.model), b)
             if p.drafts is not None:
                 fp.input_speculative_tokens(*p.drafts)
-            if p.output_spec:
+            if p.output_spec and p.logit_mask is None:
+                # drafts are verified under this pass's one logit mask, which cannot follow a
+                # grammar's state from token to token: a constrained pass proposes none
                 fp.output_speculative_tokens(True)
             if p.pass_spec is not None:
                 fp.pass_speculation(p.pass_spec)

@@ -123,9 +123,12 @@ class ModelIface(Interface):
 
     @wit("[method]model.default-system-speculation")
     def default_system_speculation(self, m: ModelRes) -> bool:
-        # The engine's drafter (prompt lookup) helps greedy decoding of text that repeats
-        # its context; Pie's SDK then turns it on for argmax generators by default.
-        return False
+        """True for text models: Pie's SDK then asks argmax generators' passes for the
+        engine's drafts (``output-speculative-tokens``: prompt lookup over the context) and
+        feeds them back as speculative tokens, verified exactly by the next pass."""
+        from engine import Model
+
+        return isinstance(m.model, Model)
 
     @wit("[method]tokenizer.encode")
     def encode(self, t: TokenizerRes, text: str) -> list[int]:
