@@ -96,6 +96,27 @@ def reference_logits(ref, **inputs) -> torch.Tensor:
 PARITY: dict[str, float] = {}
 
 
+def pass_logits(model, text: str, adapter=None) -> torch.Tensor:
+    """Raw logits of every row of ``text`` in one hand-built pass (``ctx.forward()``), under
+    ``adapter`` when given."""
+    from engine import Context
+    from engine.slots import Slot
+
+    ids = model.tokenize(text)
+
+    async def main() -> torch.Tensor:
+        ctx = Context(model)
+        fp = ctx.forward().input_tokens(ids)
+        if adapter is not None:
+            fp.adapter(adapter)
+        first = fp.sampler(range(len(ids)), Slot.raw_logits())
+        out = await fp.execute()
+        ctx.close()
+        return torch.stack([out[first + i].logits for i in range(len(ids))])
+
+    return asyncio.run(main())
+
+
 def assert_logits_close(ours: torch.Tensor, theirs: torch.Tensor, label: str, atol: float = ATOL) -> float:
     assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
     diff = (ours.float().cpu() - theirs.float().cpu()).abs().max().item()

@@ -8,7 +8,6 @@ use it: ours adds ``s * (x A^T) B^T`` per row, peft's merged model computes
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 
@@ -25,28 +24,14 @@ from engine.adapter_store import (
     AdapterStore,
     resolve_path,
 )
-from engine.slots import Slot
 from fixtures.tiny_lora import build_adapter
-from tests.engine.conftest import assert_logits_close, reference_logits
+from tests.engine.conftest import assert_logits_close, pass_logits, reference_logits
 
 PROMPT = "Tell me about cats and the sea."
 
 
 def _logits(model, adapter=None, text: str = PROMPT) -> torch.Tensor:
-    """Raw logits of every row of ``text`` in one hand-built pass, under ``adapter``."""
-    ids = model.tokenize(text)
-
-    async def main():
-        ctx = Context(model)
-        fp = ctx.forward().input_tokens(ids)
-        if adapter is not None:
-            fp.adapter(adapter)
-        first = fp.sampler(range(len(ids)), Slot.raw_logits())
-        out = await fp.execute()
-        ctx.close()
-        return torch.stack([out[first + i].logits for i in range(len(ids))])
-
-    return asyncio.run(main())
+    return pass_logits(model, text, adapter)
 
 
 def _ref_logits(model_dir, adapter_dir, ids: list[int]) -> torch.Tensor:

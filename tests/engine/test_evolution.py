@@ -3,7 +3,6 @@ separable CMA-ES update checked against a direct numpy computation, a toy ES loo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -12,30 +11,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import Context
 from engine import evolution as zo
 from engine.adapter_store import AdapterArgumentError, AdapterStore
 from engine.evolution import EvolutionError
-from engine.slots import Slot
+from tests.engine.conftest import pass_logits  # noqa: E402
 
 PROMPT = "The cat sat on the mat and looked at the sea."
 POP = 6
 
 
 def _logits(model, adapter=None, text: str = PROMPT) -> torch.Tensor:
-    ids = model.tokenize(text)
-
-    async def main():
-        ctx = Context(model)
-        fp = ctx.forward().input_tokens(ids)
-        if adapter is not None:
-            fp.adapter(adapter)
-        first = fp.sampler(range(len(ids)), Slot.raw_logits())
-        out = await fp.execute()
-        ctx.close()
-        return torch.stack([out[first + i].logits for i in range(len(ids))])
-
-    return asyncio.run(main())
+    return pass_logits(model, text, adapter)
 
 
 @pytest.fixture

@@ -28,8 +28,10 @@ import pytest
 from tests.api.http.conftest import Server, start_server, stop_server
 
 pie_client = pytest.importorskip("pie_client")
-from pie_client import Event, PieClient  # noqa: E402
+from pie_client import PieClient  # noqa: E402
 from pie_client.crypto import ParsedPrivateKey  # noqa: E402
+
+from tests.api.http.pie_events import recv_all, recv_until  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "inferlets" / "examples"
 QWEN = "tiny-qwen3-vl"
@@ -123,26 +125,6 @@ def program_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 240))
-
-
-async def recv_all(p: Any, timeout: float = T) -> list[tuple[str, Any]]:
-    """A process's events up to and including ``return`` / ``error``."""
-    events = []
-    while True:
-        ev, value = await asyncio.wait_for(p.recv(), timeout)
-        events.append((ev.value, value))
-        if ev in (Event.Return, Event.Error):
-            return events
-
-
-async def recv_until(p: Any, want: tuple[str, str], timeout: float = T) -> list[tuple[str, Any]]:
-    events = []
-    while True:
-        ev, value = await asyncio.wait_for(p.recv(), timeout)
-        events.append((ev.value, value))
-        if (ev.value, value) == want:
-            return events
-        assert ev not in (Event.Return, Event.Error), events
 
 
 @pytest.fixture(scope="module")

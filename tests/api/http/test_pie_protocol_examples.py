@@ -19,7 +19,9 @@ from tests.api.http.test_pie_protocol_relay import MCP_SERVER, App, start_app, s
 from tests.inferlets.pie_examples import EXAMPLES, NAMES, write_bundle
 
 pie_client = pytest.importorskip("pie_client")
-from pie_client import Event, PieClient  # noqa: E402
+from pie_client import PieClient  # noqa: E402
+
+from tests.api.http.pie_events import recv_all  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not all((EXAMPLES / n / "main.py").is_file() for n in NAMES),
@@ -59,15 +61,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory, built: dict[str, Path]) -> Ite
     stop_app(a)
 
 
-async def events(p: Any, timeout: float = T) -> list[tuple[str, Any]]:
-    out = []
-    while True:
-        ev, value = await asyncio.wait_for(p.recv(), timeout)
-        out.append((ev.value, value))
-        if ev in (Event.Return, Event.Error):
-            return out
-
-
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 300))
 
@@ -81,7 +74,7 @@ def test_examples_run_through_the_client(srv: App) -> None:
             hier = await c.launch_process(
                 BUNDLE, {"__example__": "hierarchical-attention-python", "max_tokens": 4}
             )
-            got = await asyncio.gather(events(conc), events(cache), events(hier))
+            got = await asyncio.gather(recv_all(conc, T), recv_all(cache, T), recv_all(hier, T))
         conc_ev, cache_ev, hier_ev = got
         assert conc_ev[-1] == ("return", "done")
         assert ("message", "[test] verdict: CONCURRENT") in conc_ev
@@ -106,7 +99,7 @@ def test_typed_parameters_refuse_a_wrong_type(srv: App, built: dict[str, Path], 
             with pytest.raises(Exception, match="prompt"):
                 await c.launch_process("typed-example@0.1.0", {})
             p = await c.launch_process("typed-example@0.1.0", {"prompt": "hi", "max_tokens": 4})
-            assert (await events(p))[-1] == ("return", "done")
+            assert (await recv_all(p, T))[-1] == ("return", "done")
 
     run(go())
 
@@ -127,7 +120,7 @@ def test_mcp_example_calls_the_clients_stdio_server(srv: App, tmp_path: Path) ->
             await c.authenticate("tester")
             await c.register_mcp_server("demo", "stdio", sys.executable, [str(script)])
             p = await c.launch_process(BUNDLE, {"__example__": "mcp-example-py", "text": "hi there"})
-            return await events(p)
+            return await recv_all(p, T)
 
     ev = run(go())
     assert ev[-1][0] == "return", ev
@@ -168,9 +161,9 @@ def test_a_child_runs_in_its_parents_tenant(srv: App, tmp_path: Path) -> None:
             await c.authenticate("tester")
             await c.install_program(wasm, project / "Pie.toml")
             p = await c.launch_process("parent@0.1.0", {"program": "py-concurrency-test@0.1.0"})
-            ok = await events(p)
+            ok = await recv_all(p, T)
             q = await c.launch_process("parent@0.1.0", {"program": "nope@9.9.9"})
-            return ok + [("second", await events(q))]
+            return ok + [("second", await recv_all(q, T))]
 
     ev = run(go())
     second = ev.pop()[1]

@@ -30,7 +30,9 @@ import pytest
 from tests.api.http.conftest import free_port
 
 pie_client = pytest.importorskip("pie_client")
-from pie_client import Event, PieClient  # noqa: E402
+from pie_client import PieClient  # noqa: E402
+
+from tests.api.http.pie_events import recv_all, recv_until  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "inferlets" / "examples"
 PROGRAM = "examples@0.1.0"
@@ -145,25 +147,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory, wasm: Path, manifest: Path) ->
 
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 240))
-
-
-async def recv_until(p: Any, want: tuple[str, Any], timeout: float = T) -> list[tuple[str, Any]]:
-    events = []
-    while True:
-        ev, value = await asyncio.wait_for(p.recv(), timeout)
-        events.append((ev.value, value))
-        if (ev.value, value) == want:
-            return events
-        assert ev not in (Event.Return, Event.Error), events
-
-
-async def recv_all(p: Any, timeout: float = T) -> list[tuple[str, Any]]:
-    events = []
-    while True:
-        ev, value = await asyncio.wait_for(p.recv(), timeout)
-        events.append((ev.value, value))
-        if ev in (Event.Return, Event.Error):
-            return events
 
 
 def next_file(a: App, run_id: str, timeout: float = T) -> bytes | None:
