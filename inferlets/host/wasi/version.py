@@ -15,12 +15,13 @@ def wasmtime_wasi_version() -> str:
     """Probe: with shadowing off, defining ``poll`` again fails only inside wasmtime's own
     ``wasi:io/poll`` instance."""
     engine = wasmtime.Engine()
-    for patch in range(60, -1, -1):
-        linker = wc.Linker(engine)
-        linker.add_wasip2()
-        try:
-            with linker.root() as root, root.add_instance(f"wasi:io/poll@0.2.{patch}") as inst:
-                inst.add_func("poll", lambda store, ps: [0])
-        except wasmtime.WasmtimeError:
-            return f"0.2.{patch}"
+    linker = wc.Linker(engine)  # one linker: a new instance name does not disturb the probe
+    linker.add_wasip2()
+    with linker.root() as root:
+        for patch in range(0, 64):
+            try:
+                with root.add_instance(f"wasi:io/poll@0.2.{patch}") as inst:
+                    inst.add_func("poll", lambda store, ps: [0])
+            except wasmtime.WasmtimeError:
+                return f"0.2.{patch}"
     raise RuntimeError("could not find which wasi:io/poll version wasmtime registered")
