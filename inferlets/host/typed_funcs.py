@@ -4,7 +4,8 @@ callback that reads the function's type back from C and builds its parameter and
 types again, on every call: ~38 us of ~50 us per host call here (bench/inferlet_tax.py's
 profile; a Pie inferlet makes ~11 per token). The link already knows each function's type
 from the component (``Component.type``), so ``add_typed_func`` keeps those types with the
-function and its callback only converts the values."""
+function and its callback only converts the values, with codecs built once from those types
+(``value_codec.py``: wasmtime-py's own converters read the types back from C per value)."""
 
 from __future__ import annotations
 
@@ -18,18 +19,20 @@ from wasmtime import _ffi as ffi
 from wasmtime import component as wc
 from wasmtime.component._enter import catch_exceptions
 
+from inferlets.host.value_codec import codec
+
 _FUNCS: dict[int, tuple[Callable[..., Any], list[Any], Any]] = {}
 _ids = itertools.count(1)
 
 
 @ffi.wasmtime_component_func_callback_t
 def _call(idx, context, ty_raw, args, nargs, results, nresults):  # type: ignore[no-untyped-def]
-    fn, params, result_ty = _FUNCS[idx or 0]
+    fn, params, lower_result = _FUNCS[idx or 0]
 
     def run(store: Any) -> None:
-        value = fn(store, *[t.convert_from_c(args[i]) for i, t in enumerate(params)])
-        if result_ty is not None:
-            result_ty.convert_to_c(store, value, results)
+        value = fn(store, *[lift(args[i]) for i, lift in enumerate(params)])
+        if lower_result is not None:
+            lower_result(store, value, results[0])
 
     return catch_exceptions(context, run)
 
@@ -43,7 +46,12 @@ def add_typed_func(inst: wc.LinkerInstance, name: str, fn: Callable[..., Any], f
     """``inst.add_func(name, fn)`` with ``ftype`` (the component's own type of the import)
     read once now."""
     idx = next(_ids)
-    _FUNCS[idx] = (fn, [t for _, t in ftype.params], ftype.result)
+    result = ftype.result
+    _FUNCS[idx] = (
+        fn,
+        [codec(t).lift for _, t in ftype.params],
+        None if result is None else codec(result).lower,
+    )
     raw = name.encode("utf-8")
     err = ffi.wasmtime_component_linker_instance_add_func(
         inst.ptr(), ctypes.create_string_buffer(raw), len(raw), _call, idx, _forget
