@@ -225,12 +225,14 @@ class HostCallTimer:
                 with lock:
                     timer.guest_cpu += time.thread_time() - c0
 
-        # Every entry from wasm into Python (host functions and resource drops) goes through
-        # wasmtime-py's ``catch_exceptions``: timed around it, the entries' whole cost,
-        # wasmtime-py's own conversions (types read back from C, values converted) included.
+        # Every entry from wasm into Python (host functions, typed_funcs' callback; resource
+        # drops, wasmtime-py's) goes through ``catch_exceptions``: timed around it, the
+        # entries' whole cost, the value conversions (value_codec) included.
         import wasmtime.component._linker as wl
 
-        self._wl, self._real_catch = wl, wl.catch_exceptions
+        import inferlets.host.typed_funcs as tf
+
+        self._wl, self._tf, self._real_catch = wl, tf, wl.catch_exceptions
         real_catch = self._real_catch
 
         def catch_exceptions(context, run):
@@ -247,13 +249,13 @@ class HostCallTimer:
 
         pw.host_function = host_function
         InferletRuntime.run = run
-        wl.catch_exceptions = catch_exceptions
+        wl.catch_exceptions = tf.catch_exceptions = catch_exceptions
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._pw.host_function = self._real_hf
         self._rt_cls.run = self._real_run
-        self._wl.catch_exceptions = self._real_catch
+        self._wl.catch_exceptions = self._tf.catch_exceptions = self._real_catch
 
     def snapshot(self) -> tuple[dict[str, tuple[int, float, float]], float]:
         with self._lock:
@@ -309,10 +311,10 @@ def profile(model, rt, wasm: Path, ids: list[int], steps: int, rounds: int) -> d
                     "guest_thread": {
                         "cpu_us_per_token": round(guest_cpu, 1),
                         "in_host_functions_cpu_us": round(fn_cpu, 1),
-                        "in_wasmtime_py_trampolines_and_drops_cpu_us": round(ent_cpu - fn_cpu, 1),
+                        "in_entries_and_value_conversions_cpu_us": round(ent_cpu - fn_cpu, 1),
                         "in_the_wasm_guest_cpu_us": round(guest_cpu - ent_cpu, 1),
                         "in_host_functions_wall_us": round(fn_wall, 1),
-                        "in_wasmtime_py_trampolines_and_drops_wall_us": round(ent_wall - fn_wall, 1),
+                        "in_entries_and_value_conversions_wall_us": round(ent_wall - fn_wall, 1),
                         "in_the_wasm_guest_wall_us": round(wall * 1e6 - ent_wall, 1),
                     },
                     "event_loop_thread_cpu_us_per_token": round((long[1] - short[1]) / steps * 1e6, 1),
@@ -324,9 +326,9 @@ def profile(model, rt, wasm: Path, ids: list[int], steps: int, rounds: int) -> d
                 if entries is not None:
                     best["wasm_to_python_entries"] = {
                         **entries,
-                        "what": "every entry from wasm into Python: wasmtime-py's component trampoline "
-                        "(the function's type read back from C, arguments and result converted) around "
-                        "a host function, or a resource drop",
+                        "what": "every entry from wasm into Python: the typed callback (arguments "
+                        "and result converted by value_codec) around a host function, or a resource drop "
+                        "(wasmtime-py's)",
                     }
     assert best is not None
     return best

@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import wasmtime
 from wasmtime import component as wc
+
+from inferlets.host.value_codec import GuestResource, HostOwn
 
 log = logging.getLogger("inferlets.host")
 
@@ -118,7 +121,7 @@ class ResourceTable:
     def __len__(self) -> int:
         return len(self._live)
 
-    def own(self, obj: Resource) -> wc.ResourceHost:
+    def own(self, obj: Resource) -> HostOwn:
         cls = type(obj)
         ty = self._type_ids.get(cls)
         if ty is None:
@@ -138,7 +141,7 @@ class ResourceTable:
         rep = self._next
         self._next += 1
         self._live[rep] = obj
-        return wc.ResourceHost.own(rep, ty)
+        return HostOwn(rep, ty)
 
     def lookup(self, rep: int, ty: int, want: type[Resource] | None) -> Resource:
         obj = self._live.get(rep)
@@ -177,6 +180,8 @@ def _arg_converter(t: Any, resource_of: Callable[[Any], type[Resource] | None]) 
             if want is None:  # one of wasmtime's own resources: released, not looked at
                 v.drop(store)
                 return None
+            if isinstance(v, GuestResource):
+                return table.lookup(*v.host_handle(store), want)
             h = v.to_host(store)
             return table.lookup(h.rep, h.type, want)
 
@@ -244,24 +249,47 @@ def _error_value(t: Any, e: BaseException) -> Any:
     return text[:8000]
 
 
+@dataclass(frozen=True)
+class FunctionShape:
+    """What a host function's WIT type asks of the conversions around it, worked out once
+    per component (``function_shape``) and shared by every run of it."""
+
+    params: list[Callable[..., Any] | None]  # (store, table, value) -> host value, or None
+    out: Callable[[ResourceTable, Any], Any] | None  # (table, value) -> wasmtime value, or None
+    is_result: bool
+    tagged: bool
+    err_t: Any
+
+
+def function_shape(ftype: wc.FuncType, resource_of: Callable[[Any], type[Resource] | None]) -> FunctionShape:
+    result_t = ftype.result
+    is_result = isinstance(result_t, wc.ResultType)
+    return FunctionShape(
+        params=[_arg_converter(t, resource_of) for _, t in ftype.params],
+        out=_out_converter(result_t) if result_t is not None else None,
+        is_result=is_result,
+        tagged=is_result and result_t._tagged(),
+        err_t=result_t.err if is_result else None,
+    )
+
+
 def host_function(
     iface: str,
     name: str,
     method: Callable[..., Any] | None,
-    ftype: wc.FuncType,
+    shape: FunctionShape,
     table: ResourceTable,
-    resource_of: Callable[[Any], type[Resource] | None],
     check: Callable[[], None],
     on_trap: Callable[[BaseException], None],
 ) -> Callable[..., Any]:
     """The wasmtime host function for ``iface``'s ``name`` (see the module doc)."""
-    params = [_arg_converter(t, resource_of) for _, t in ftype.params]
-    # A borrow that is not converted must still be released before the call returns.
-    result_t = ftype.result
-    is_result = isinstance(result_t, wc.ResultType)
-    out = _out_converter(result_t) if result_t is not None else None
-    tagged = is_result and result_t._tagged()
-    err_t = result_t.err if is_result else None
+    params, out, is_result, tagged, err_t = (
+        shape.params,
+        shape.out,
+        shape.is_result,
+        shape.tagged,
+        shape.err_t,
+    )
     where = f"{iface}.{name}"
 
     if method is None:

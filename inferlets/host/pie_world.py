@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,15 @@ import wasmtime
 from wasmtime import component as wc
 
 from inferlets.host import wasi
-from inferlets.host.binding import Interface, Resource, ResourceTable, host_function, resource_classes
+from inferlets.host.binding import (
+    FunctionShape,
+    Interface,
+    Resource,
+    ResourceTable,
+    function_shape,
+    host_function,
+    resource_classes,
+)
 from inferlets.host.errors import InvalidComponentError, UnknownModelError
 from inferlets.host.message_broker import MessageBroker
 from inferlets.host.pie_core.adapter import AdapterIface
@@ -39,7 +48,8 @@ from inferlets.host.pie_mcp.client import Client
 from inferlets.host.pie_mcp.types import McpTypes
 from inferlets.host.pie_zo.zo import Zo
 from inferlets.host.state import RunState
-from inferlets.host.typed_funcs import add_typed_func
+from inferlets.host.typed_funcs import add_typed_func, typed_codecs
+from inferlets.host.value_codec import Lift, Lower
 from inferlets.host.wasi.poll import Waiter
 from inferlets.host.wasi.streams import IoError, OutputStream
 
@@ -237,11 +247,39 @@ def check_imports(engine: wasmtime.Engine, comp: wc.Component) -> None:
         )
 
 
-def link_pie_world(engine: wasmtime.Engine, comp: wc.Component, host: PieHost) -> wc.Linker:
+@dataclass(frozen=True)
+class _FuncLink:
+    name: str
+    attr: str | None  # the Interface method serving it (None: answered "not implemented")
+    shape: FunctionShape
+    lifts: list[Lift]
+    lower: Lower | None
+
+
+@dataclass(frozen=True)
+class _InstanceLink:
+    link_name: str
+    base: str
+    iface_cls: type[Interface]
+    resources: list[tuple[str, int]]  # (resource name, host type id)
+    funcs: list[_FuncLink]
+
+
+@dataclass(frozen=True)
+class PieLinkPlan:
+    """How one component links to Pie's world: every import this host serves, its resources
+    and functions with their conversions. Worked out once per component (``plan_pie_world``:
+    thousands of C calls reading the component's types back); each run then links from it
+    (``link_pie_world``: one C call per instance, resource and function)."""
+
+    instances: list[_InstanceLink]
+
+    def __repr__(self) -> str:
+        return f"PieLinkPlan({len(self.instances)} interfaces, {sum(len(i.funcs) for i in self.instances)} functions)"
+
+
+def plan_pie_world(engine: wasmtime.Engine, comp: wc.Component) -> PieLinkPlan:
     check_imports(engine, comp)
-    linker = wc.Linker(engine)
-    linker.allow_shadowing = True
-    linker.add_wasip2()
     groups = _groups(engine, comp)
 
     def resource_of(t: Any) -> type[Resource] | None:
@@ -251,6 +289,43 @@ def link_pie_world(engine: wasmtime.Engine, comp: wc.Component, host: PieHost) -
         return None
 
     wasi_version = wasi.wasmtime_wasi_version()
+    instances: list[_InstanceLink] = []
+    for name, item in comp.type.imports(engine).items():
+        base = base_name(name)
+        iface_cls = BY_NAME.get(base)
+        if iface_cls is None:
+            continue
+        is_wasi = base.startswith("wasi:")
+        methods = iface_cls.functions()
+        exports = {k: _item(v) for k, v in _item(item).exports(engine).items()}
+        resources: list[tuple[str, int]] = []
+        for rname, t in exports.items():
+            if not isinstance(t, wc.ResourceType):
+                continue
+            cls = resource_of(t)
+            if cls is None:
+                continue
+            if is_wasi and cls not in iface_cls.RESOURCES:
+                continue  # wasmtime's instance keeps its alias (see docs/pie_world_wasi_poll.md)
+            resources.append((rname, TYPE_IDS[cls]))
+        funcs: list[_FuncLink] = []
+        for fname, t in exports.items():
+            if not isinstance(t, wc.FuncType):
+                continue
+            attr = methods.get(fname)
+            if attr is None and is_wasi:
+                continue  # wasmtime's own function stays
+            funcs.append(_FuncLink(fname, attr, function_shape(t, resource_of), *typed_codecs(t)))
+        link_name = f"{base}@{wasi_version}" if is_wasi else name
+        instances.append(_InstanceLink(link_name, base, iface_cls, resources, funcs))
+    return PieLinkPlan(instances)
+
+
+def link_pie_world(engine: wasmtime.Engine, plan: PieLinkPlan, host: PieHost) -> wc.Linker:
+    """A linker serving ``plan``'s imports with this run's ``host``."""
+    linker = wc.Linker(engine)
+    linker.allow_shadowing = True
+    linker.add_wasip2()
 
     def on_trap(e: BaseException) -> None:
         """A result-less call failed: the run ends there, with the host's typed error (a
@@ -261,44 +336,21 @@ def link_pie_world(engine: wasmtime.Engine, comp: wc.Component, host: PieHost) -
             host.state.ended_by = e
 
     table = host.table
+    check = host.state.check
 
     def drop(store: Any, rep: int) -> None:
         table.drop(rep)
 
     with linker.root() as root:
-        for name, item in comp.type.imports(engine).items():
-            base = base_name(name)
-            iface_cls = BY_NAME.get(base)
-            if iface_cls is None:
-                continue
-            is_wasi = base.startswith("wasi:")
-            link_name = f"{base}@{wasi_version}" if is_wasi else name
-            iface = iface_cls(host)
-            methods = iface_cls.functions()
-            with root.add_instance(link_name) as inst:
-                exports = {k: _item(v) for k, v in _item(item).exports(engine).items()}
-                for rname, t in exports.items():
-                    if not isinstance(t, wc.ResourceType):
-                        continue
-                    cls = resource_of(t)
-                    if cls is None:
-                        continue
-                    if is_wasi and cls not in iface_cls.RESOURCES:
-                        continue  # wasmtime's instance keeps its alias (see docs/pie_world_wasi_poll.md)
-                    inst.add_resource(rname, wc.ResourceType.host(TYPE_IDS[cls]), drop)
-                for fname, t in exports.items():
-                    if not isinstance(t, wc.FuncType):
-                        continue
-                    attr = methods.get(fname)
-                    if attr is None and is_wasi:
-                        continue  # wasmtime's own function stays
-                    method = getattr(iface, attr) if attr is not None else None
-                    add_typed_func(
-                        inst,
-                        fname,
-                        host_function(base, fname, method, t, table, resource_of, host.state.check, on_trap),
-                        t,
-                    )
+        for link in plan.instances:
+            iface = link.iface_cls(host)
+            with root.add_instance(link.link_name) as inst:
+                for rname, type_id in link.resources:
+                    inst.add_resource(rname, wc.ResourceType.host(type_id), drop)
+                for f in link.funcs:
+                    method = getattr(iface, f.attr) if f.attr is not None else None
+                    fn = host_function(link.base, f.name, method, f.shape, table, check, on_trap)
+                    add_typed_func(inst, f.name, fn, f.lifts, f.lower)
     return linker
 
 

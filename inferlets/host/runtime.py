@@ -36,7 +36,15 @@ from inferlets.host.iface_media import MediaCalls
 from inferlets.host.iface_runtime import ModelCalls, RuntimeCalls
 from inferlets.host.iface_speech import SpeechCalls
 from inferlets.host.limits import RunLimits
-from inferlets.host.pie_world import PieHost, check_imports, is_pie_world, link_pie_world, run_export
+from inferlets.host.pie_world import (
+    PieHost,
+    PieLinkPlan,
+    check_imports,
+    is_pie_world,
+    link_pie_world,
+    plan_pie_world,
+    run_export,
+)
 from inferlets.host.state import RunState
 from inferlets.host.wasmtime_slab import install as _install_thread_safe_slabs
 from media import cache_scope, use_cache_scope
@@ -135,6 +143,7 @@ class InferletRuntime:
         self._components: dict[str, wc.Component] = {}
         self._worlds: dict[str, bool] = {}
         self._file_keys: dict[tuple[str, int, int], str] = {}
+        self._plans: dict[int, tuple[wc.Component, PieLinkPlan]] = {}
         self._lock = threading.Lock()
         # Guests spend most of their time waiting on host calls: one thread each, more than
         # asyncio's default executor gives (cores + 4), so concurrent runs batch together.
@@ -357,6 +366,16 @@ class InferletRuntime:
             sandbox_root=self.cache_dir / "sandboxes",
         )
 
+    def _plan(self, comp: wc.Component) -> PieLinkPlan:
+        """The component's link plan, worked out on its first run (``plan_pie_world``)."""
+        got = self._plans.get(id(comp))
+        if got is None or got[0] is not comp:
+            with self._lock:
+                got = self._plans.get(id(comp))
+                if got is None or got[0] is not comp:
+                    got = self._plans[id(comp)] = (comp, plan_pie_world(self.engine, comp))
+        return got[1]
+
     def _execute_pie(self, state: RunState, comp: wc.Component) -> str:
         """Run a component of Pie 0.4.0's world (``pie_world``)."""
         limits = state.limits
@@ -364,7 +383,7 @@ class InferletRuntime:
         store = self._store(limits)
         store.set_wasi(wasmtime.WasiConfig())
         try:
-            linker = link_pie_world(self.engine, comp, host)
+            linker = link_pie_world(self.engine, self._plan(comp), host)
         except BaseException:
             host.close()
             store.close()

@@ -19,7 +19,10 @@ from wasmtime import _ffi as ffi
 from wasmtime import component as wc
 from wasmtime.component._enter import catch_exceptions
 
-from inferlets.host.value_codec import codec
+from inferlets.host.value_codec import Lift, Lower, codec, gil_held
+
+# one C call per host function a run links (hundreds a launch): keeps the GIL (value_codec)
+_add_func = gil_held("wasmtime_component_linker_instance_add_func")
 
 _FUNCS: dict[int, tuple[Callable[..., Any], list[Any], Any]] = {}
 _ids = itertools.count(1)
@@ -42,20 +45,21 @@ def _forget(idx):  # type: ignore[no-untyped-def]
     _FUNCS.pop(idx or 0, None)
 
 
-def add_typed_func(inst: wc.LinkerInstance, name: str, fn: Callable[..., Any], ftype: wc.FuncType) -> None:
-    """``inst.add_func(name, fn)`` with ``ftype`` (the component's own type of the import)
-    read once now."""
-    idx = next(_ids)
+def typed_codecs(ftype: wc.FuncType) -> tuple[list[Lift], Lower | None]:
+    """The lifts of ``ftype``'s parameters and the lower of its result (built once per type)."""
     result = ftype.result
-    _FUNCS[idx] = (
-        fn,
-        [codec(t).lift for _, t in ftype.params],
-        None if result is None else codec(result).lower,
-    )
+    return [codec(t).lift for _, t in ftype.params], None if result is None else codec(result).lower
+
+
+def add_typed_func(
+    inst: wc.LinkerInstance, name: str, fn: Callable[..., Any], lifts: list[Lift], lower: Lower | None
+) -> None:
+    """``inst.add_func(name, fn)`` with the conversions of the import's own type
+    (``typed_codecs``), made once per component."""
+    idx = next(_ids)
+    _FUNCS[idx] = (fn, lifts, lower)
     raw = name.encode("utf-8")
-    err = ffi.wasmtime_component_linker_instance_add_func(
-        inst.ptr(), ctypes.create_string_buffer(raw), len(raw), _call, idx, _forget
-    )
+    err = _add_func(inst.ptr(), ctypes.create_string_buffer(raw), len(raw), _call, idx, _forget)
     if err:
         _FUNCS.pop(idx, None)
         raise WasmtimeError._from_ptr(err)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from wasmtime import WasmtimeError
 from wasmtime import _bindings as bindings
 from wasmtime import _ffi as ffi
 from wasmtime import component as wc
@@ -41,7 +42,7 @@ Lower = Callable[[Any, Any, Any], None]
 _PY_DLL = ctypes.PyDLL(ffi.dll._name)
 
 
-def _gil_held(name: str) -> Any:
+def gil_held(name: str) -> Any:
     """``name`` from wasmtime's library with wasmtime-py's signature, called with the GIL held."""
     src = getattr(bindings, f"_{name}")
     fn = _PY_DLL[name]
@@ -49,19 +50,26 @@ def _gil_held(name: str) -> Any:
     return fn
 
 
-_byte_vec_new = _gil_held("wasm_byte_vec_new_uninitialized")
-_byte_vec_delete = _gil_held("wasm_byte_vec_delete")
-_val_new = _gil_held("wasmtime_component_val_new")
-_val_delete = _gil_held("wasmtime_component_val_delete")
-_list_new = _gil_held("wasmtime_component_vallist_new_uninit")
-_list_delete = _gil_held("wasmtime_component_vallist_delete")
-_record_new = _gil_held("wasmtime_component_valrecord_new_uninit")
-_record_delete = _gil_held("wasmtime_component_valrecord_delete")
-_tuple_new = _gil_held("wasmtime_component_valtuple_new_uninit")
-_tuple_delete = _gil_held("wasmtime_component_valtuple_delete")
-_flags_new = _gil_held("wasmtime_component_valflags_new_uninit")
-_flags_delete = _gil_held("wasmtime_component_valflags_delete")
-_resource_clone = _gil_held("wasmtime_component_resource_any_clone")
+_byte_vec_new = gil_held("wasm_byte_vec_new_uninitialized")
+_byte_vec_delete = gil_held("wasm_byte_vec_delete")
+_val_new = gil_held("wasmtime_component_val_new")
+_val_delete = gil_held("wasmtime_component_val_delete")
+_list_new = gil_held("wasmtime_component_vallist_new_uninit")
+_list_delete = gil_held("wasmtime_component_vallist_delete")
+_record_new = gil_held("wasmtime_component_valrecord_new_uninit")
+_record_delete = gil_held("wasmtime_component_valrecord_delete")
+_tuple_new = gil_held("wasmtime_component_valtuple_new_uninit")
+_tuple_delete = gil_held("wasmtime_component_valtuple_delete")
+_flags_new = gil_held("wasmtime_component_valflags_new_uninit")
+_flags_delete = gil_held("wasmtime_component_valflags_delete")
+_resource_clone = gil_held("wasmtime_component_resource_any_clone")
+_any_delete = gil_held("wasmtime_component_resource_any_delete")
+_any_to_host = gil_held("wasmtime_component_resource_any_to_host")
+_host_new = gil_held("wasmtime_component_resource_host_new")
+_host_rep = gil_held("wasmtime_component_resource_host_rep")
+_host_type = gil_held("wasmtime_component_resource_host_type")
+_host_delete = gil_held("wasmtime_component_resource_host_delete")
+_host_to_any = gil_held("wasmtime_component_resource_host_to_any")
 _memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
     ctypes._memmove_addr  # type: ignore[attr-defined]
 )
@@ -134,7 +142,7 @@ def codec(ty: Any) -> ValueCodec:
     if isinstance(ty, wc.VariantType):
         return _variant_like(ty, VARIANT, ty.cases)
     if isinstance(ty, wc.OwnType):
-        return ValueCodec(_lift_resource, _lower_own, (ResourceAny, ResourceHost), "own")
+        return ValueCodec(_lift_resource, _lower_own, (ResourceAny, ResourceHost, HostOwn), "own")
     if isinstance(ty, wc.BorrowType):
         return ValueCodec(_lift_resource, _lower_borrow, (ResourceAny, ResourceHost), "borrow")
     # futures, streams, error-context: wasmtime-py's own conversion (Pie's world has none)
@@ -244,17 +252,62 @@ def _flags() -> ValueCodec:
 # -- resources -------------------------------------------------------------------------------
 
 
+class GuestResource(ResourceAny):
+    """A handle the guest passed in (``own`` or ``borrow``): wasmtime-py's ``ResourceAny``
+    whose C calls keep the GIL, with ``host_handle`` reading a host resource's (rep, type)
+    in one step (``to_host`` makes and frees a ``ResourceHost`` for it, five C calls)."""
+
+    def _delete(self, ptr: Any) -> None:
+        _any_delete(ptr)
+
+    def host_handle(self, store: Any) -> tuple[int, int]:
+        """(rep, type id) of a host-defined resource; ``WasmtimeError`` for a guest's own."""
+        host = ctypes.POINTER(bindings.wasmtime_component_resource_host_t)()
+        err = _any_to_host(store._context(), self.ptr(), _byref(host))
+        if err:
+            raise WasmtimeError._from_ptr(err)
+        try:
+            return _host_rep(host), _host_type(host)
+        finally:
+            _host_delete(host)
+
+
+@dataclass(frozen=True, slots=True)
+class HostOwn:
+    """A host resource handed to the guest as an ``own`` handle: its rep in the run's table
+    and its resource type id (``ResourceType.host``)."""
+
+    rep: int
+    type_id: int
+
+
 def _lift_resource(val: Any) -> ResourceAny:
-    return ResourceAny._from_ptr(ffi.take_pointer(val.of, "resource"))
+    return GuestResource._from_ptr(ffi.take_pointer(val.of, "resource"))
+
+
+def _host_own_to_any(store: Any, v: HostOwn) -> Any:
+    host = _host_new(True, v.rep, v.type_id)
+    try:
+        out = ctypes.POINTER(bindings.wasmtime_component_resource_any_t)()
+        err = _host_to_any(store._context(), host, _byref(out))
+        if err:
+            raise WasmtimeError._from_ptr(err)
+        return out
+    finally:
+        _host_delete(host)
 
 
 def _lower_own(store: Any, v: Any, val: Any) -> None:
-    if isinstance(v, ResourceHost):
-        v = v.to_any(store)
-    elif not isinstance(v, ResourceAny):
-        raise TypeError(f"expected ResourceAny or ResourceHost for own, got {type(v).__name__}")
+    if isinstance(v, HostOwn):
+        ptr = _host_own_to_any(store, v)
+    elif isinstance(v, ResourceHost):
+        ptr = v.to_any(store)._consume()
+    elif isinstance(v, ResourceAny):
+        ptr = v._consume()
+    else:
+        raise TypeError(f"expected HostOwn, ResourceAny or ResourceHost for own, got {type(v).__name__}")
     val.kind = RESOURCE
-    val.of.resource = v._consume()
+    val.of.resource = ptr
 
 
 def _lower_borrow(store: Any, v: Any, val: Any) -> None:
