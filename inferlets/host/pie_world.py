@@ -83,7 +83,7 @@ BROKER = MessageBroker()
 _instances = itertools.count(1)
 
 
-def _item(x: Any) -> Any:
+def extern_type(x: Any) -> Any:
     """A component import/export's type (wasmtime-py >= 50 wraps it in ``ComponentExtern``)."""
     return x.ty if type(x).__name__ == "ComponentExtern" else x
 
@@ -217,8 +217,8 @@ def _groups(engine: wasmtime.Engine, comp: wc.Component) -> list[tuple[Any, type
     equality with a definition a class names; None for wasmtime's own)."""
     found: list[tuple[Any, str, str]] = []
     for name, item in comp.type.imports(engine).items():
-        for rname, ext in _item(item).exports(engine).items():
-            t = _item(ext)
+        for rname, ext in extern_type(item).exports(engine).items():
+            t = extern_type(ext)
             if isinstance(t, wc.ResourceType):
                 found.append((t, base_name(name), rname))
     groups: list[list[Any]] = []  # [type, class]
@@ -297,7 +297,7 @@ def plan_pie_world(engine: wasmtime.Engine, comp: wc.Component) -> PieLinkPlan:
             continue
         is_wasi = base.startswith("wasi:")
         methods = iface_cls.functions()
-        exports = {k: _item(v) for k, v in _item(item).exports(engine).items()}
+        exports = {k: extern_type(v) for k, v in extern_type(item).exports(engine).items()}
         resources: list[tuple[str, int]] = []
         for rname, t in exports.items():
             if not isinstance(t, wc.ResourceType):

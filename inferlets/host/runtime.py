@@ -40,12 +40,15 @@ from inferlets.host.pie_world import (
     PieHost,
     PieLinkPlan,
     check_imports,
+    extern_type,
     is_pie_world,
     link_pie_world,
     plan_pie_world,
     run_export,
 )
 from inferlets.host.state import RunState
+from inferlets.host.typed_funcs import add_typed_func, typed_codecs
+from inferlets.host.value_codec import Lift, Lower
 from inferlets.host.wasmtime_slab import install as _install_thread_safe_slabs
 from media import cache_scope, use_cache_scope
 from media.errors import PieMediaError
@@ -143,7 +146,7 @@ class InferletRuntime:
         self._components: dict[str, wc.Component] = {}
         self._worlds: dict[str, bool] = {}
         self._file_keys: dict[tuple[str, int, int], str] = {}
-        self._plans: dict[int, tuple[wc.Component, PieLinkPlan]] = {}
+        self._plans: dict[int, tuple[wc.Component, Any]] = {}  # id -> (component, its link plan)
         self._lock = threading.Lock()
         # Guests spend most of their time waiting on host calls: one thread each, more than
         # asyncio's default executor gives (cores + 4), so concurrent runs batch together.
@@ -264,7 +267,27 @@ class InferletRuntime:
         # in the caller's context (run_in_executor would start from an empty one): its cache scope
         return await loop.run_in_executor(self._threads, contextvars.copy_context().run, call)
 
-    def _linker(self, state: RunState) -> wc.Linker:
+    def _legacy_plan(self, comp: wc.Component) -> dict[tuple[str, str], tuple[list[Lift], Lower | None]]:
+        """(interface, function) -> the conversions of the function the component imports
+        from this host's own world, worked out on its first run (``typed_codecs``)."""
+        got = self._plans.get(id(comp))
+        if got is None or got[0] is not comp:
+            plan: dict[tuple[str, str], tuple[list[Lift], Lower | None]] = {}
+            imports = comp.type.imports(self.engine)
+            for name in INTERFACES:
+                item = imports.get(f"{PACKAGE}/{name}@{VERSION}")
+                if item is None:
+                    continue
+                for fname, t in extern_type(item).exports(self.engine).items():
+                    t = extern_type(t)
+                    if isinstance(t, wc.FuncType):
+                        plan[(name, fname)] = typed_codecs(t)
+            with self._lock:
+                got = self._plans[id(comp)] = (comp, plan)
+        return got[1]
+
+    def _linker(self, state: RunState, comp: wc.Component) -> wc.Linker:
+        plan = self._legacy_plan(comp)
         linker = wc.Linker(self.engine)
         linker.add_wasip2()
         with linker.root() as root:
@@ -274,8 +297,11 @@ class InferletRuntime:
                 calls = cls(state)
                 with root.add_instance(f"{PACKAGE}/{name}@{VERSION}") as inst:
                     for wit_name, (method, tagged, returns_result) in cls.FUNCS.items():
-                        fn = getattr(calls, method)
-                        inst.add_func(wit_name, _host_func(state, fn, tagged, returns_result))
+                        codecs = plan.get((name, wit_name))
+                        if codecs is None:
+                            continue  # not imported by this component
+                        fn = _host_func(state, getattr(calls, method), tagged, returns_result)
+                        add_typed_func(inst, wit_name, fn, *codecs)
         return linker
 
     def _execute(self, state: RunState, comp: wc.Component) -> str:
@@ -296,7 +322,7 @@ class InferletRuntime:
             state,
             host,
             store,
-            self._linker(state),
+            self._linker(state, comp),
             comp,
             "this host's world (pie:media/inferlet)",
             self._legacy_run,
