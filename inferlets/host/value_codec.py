@@ -194,12 +194,16 @@ def _byte_vec(data: bytes) -> Any:
     return vec
 
 
-def _lift_str(val: Any) -> str:
-    vec = val.of.string
+def _take_text(vec: Any) -> str:
+    """The text of a C byte vector, which is freed."""
     try:
         return _name_of(vec)
     finally:
         _byte_vec_delete(_byref(vec))
+
+
+def _lift_str(val: Any) -> str:
+    return _take_text(val.of.string)
 
 
 def _lower_str(store: Any, v: Any, val: Any) -> None:
@@ -213,11 +217,7 @@ def _enum(ty: Any) -> ValueCodec:
     names = set(ty.names)
 
     def lift(val: Any) -> str:
-        vec = val.of.enumeration
-        try:
-            return _name_of(vec)
-        finally:
-            _byte_vec_delete(_byref(vec))
+        return _take_text(val.of.enumeration)
 
     def lower(store: Any, v: Any, val: Any) -> None:
         if v not in names:
@@ -554,11 +554,7 @@ def _variant_like(ty: Any, kind: int, cases: list[tuple[str, Any]]) -> ValueCode
 
         def lift(val: Any) -> Any:
             var = val.of.variant
-            disc = var.discriminant
-            try:
-                name = _name_of(disc)
-            finally:
-                _byte_vec_delete(_byref(disc))
+            name = _take_text(var.discriminant)
             if name not in index:
                 raise ValueError(f"tag {name} not found in variant cases")
             return unbox(name, var.val)
