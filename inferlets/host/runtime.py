@@ -38,7 +38,6 @@ from inferlets.host.iface_speech import SpeechCalls
 from inferlets.host.limits import RunLimits
 from inferlets.host.pie_world import (
     PieHost,
-    PieLinkPlan,
     check_imports,
     extern_type,
     is_pie_world,
@@ -267,27 +266,33 @@ class InferletRuntime:
         # in the caller's context (run_in_executor would start from an empty one): its cache scope
         return await loop.run_in_executor(self._threads, contextvars.copy_context().run, call)
 
-    def _legacy_plan(self, comp: wc.Component) -> dict[tuple[str, str], tuple[list[Lift], Lower | None]]:
-        """(interface, function) -> the conversions of the function the component imports
-        from this host's own world, worked out on its first run (``typed_codecs``)."""
+    def _link_plan(self, comp: wc.Component, make: Callable[[wc.Component], Any]) -> Any:
+        """``make(comp)``, worked out on the component's first run and kept with it."""
         got = self._plans.get(id(comp))
         if got is None or got[0] is not comp:
-            plan: dict[tuple[str, str], tuple[list[Lift], Lower | None]] = {}
-            imports = comp.type.imports(self.engine)
-            for name in INTERFACES:
-                item = imports.get(f"{PACKAGE}/{name}@{VERSION}")
-                if item is None:
-                    continue
-                for fname, t in extern_type(item).exports(self.engine).items():
-                    t = extern_type(t)
-                    if isinstance(t, wc.FuncType):
-                        plan[(name, fname)] = typed_codecs(t)
             with self._lock:
-                got = self._plans[id(comp)] = (comp, plan)
+                got = self._plans.get(id(comp))
+                if got is None or got[0] is not comp:
+                    got = self._plans[id(comp)] = (comp, make(comp))
         return got[1]
 
+    def _legacy_plan(self, comp: wc.Component) -> dict[tuple[str, str], tuple[list[Lift], Lower | None]]:
+        """(interface, function) -> the conversions of each function the component imports
+        from this host's own world (``typed_codecs``)."""
+        plan: dict[tuple[str, str], tuple[list[Lift], Lower | None]] = {}
+        imports = comp.type.imports(self.engine)
+        for name in INTERFACES:
+            item = imports.get(f"{PACKAGE}/{name}@{VERSION}")
+            if item is None:
+                continue
+            for fname, t in extern_type(item).exports(self.engine).items():
+                t = extern_type(t)
+                if isinstance(t, wc.FuncType):
+                    plan[(name, fname)] = typed_codecs(t)
+        return plan
+
     def _linker(self, state: RunState, comp: wc.Component) -> wc.Linker:
-        plan = self._legacy_plan(comp)
+        plan = self._link_plan(comp, self._legacy_plan)
         linker = wc.Linker(self.engine)
         linker.add_wasip2()
         with linker.root() as root:
@@ -392,16 +397,6 @@ class InferletRuntime:
             sandbox_root=self.cache_dir / "sandboxes",
         )
 
-    def _plan(self, comp: wc.Component) -> PieLinkPlan:
-        """The component's link plan, worked out on its first run (``plan_pie_world``)."""
-        got = self._plans.get(id(comp))
-        if got is None or got[0] is not comp:
-            with self._lock:
-                got = self._plans.get(id(comp))
-                if got is None or got[0] is not comp:
-                    got = self._plans[id(comp)] = (comp, plan_pie_world(self.engine, comp))
-        return got[1]
-
     def _execute_pie(self, state: RunState, comp: wc.Component) -> str:
         """Run a component of Pie 0.4.0's world (``pie_world``)."""
         limits = state.limits
@@ -409,7 +404,8 @@ class InferletRuntime:
         store = self._store(limits)
         store.set_wasi(wasmtime.WasiConfig())
         try:
-            linker = link_pie_world(self.engine, self._plan(comp), host)
+            plan = self._link_plan(comp, lambda c: plan_pie_world(self.engine, c))
+            linker = link_pie_world(self.engine, plan, host)
         except BaseException:
             host.close()
             store.close()

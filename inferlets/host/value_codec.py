@@ -76,9 +76,15 @@ _memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, 
 _byref = ctypes.byref
 _string_at = ctypes.string_at
 
-BOOL, S8, U8, S16, U16, S32, U32, S64, U64, F32, F64, CHAR = range(12)
-STRING, LIST, RECORD, TUPLE, VARIANT, ENUM, OPTION, RESULT, FLAGS = range(12, 21)
-RESOURCE = 21
+# the value kinds of wasmtime's C API (wasmtime_component_valkind_t), as ints
+BOOL, S8, U8, S16, U16, S32, U32, S64, U64, F32, F64, CHAR = (
+    getattr(ffi, f"WASMTIME_COMPONENT_{k}").value
+    for k in ("BOOL", "S8", "U8", "S16", "U16", "S32", "U32", "S64", "U64", "F32", "F64", "CHAR")
+)
+STRING, LIST, RECORD, TUPLE, VARIANT, ENUM, OPTION, RESULT, FLAGS, RESOURCE = (
+    getattr(ffi, f"WASMTIME_COMPONENT_{k}").value
+    for k in ("STRING", "LIST", "RECORD", "TUPLE", "VARIANT", "ENUM", "OPTION", "RESULT", "FLAGS", "RESOURCE")
+)
 _VAL_SIZE = ctypes.sizeof(Val)
 _UNION_AT = Val.of.offset
 # list<number>: at least this many elements go through numpy (below it, per element is cheaper)
