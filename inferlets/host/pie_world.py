@@ -9,6 +9,7 @@ A component is of Pie's world when it imports any ``pie:core/*`` interface; it e
 from __future__ import annotations
 
 import itertools
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ from inferlets.host.typed_funcs import add_typed_func, typed_codecs
 from inferlets.host.value_codec import Lift, Lower
 from inferlets.host.wasi.poll import Waiter
 from inferlets.host.wasi.streams import IoError, OutputStream
+
+log = logging.getLogger(__name__)
 
 PIE_INTERFACES: tuple[type[Interface], ...] = (
     Types,
@@ -188,7 +191,10 @@ class PieHost:
             def write(data: bytes) -> None:
                 text = decoder.decode(data)
                 if text:
-                    st.output(name, text)
+                    try:
+                        st.output(name, text)
+                    except Exception:  # noqa: BLE001 - the guest's write succeeds whatever the listener does
+                        log.exception("inferlet %s listener failed", name)
 
             self._outputs[name] = OutputStream(write)
         return OutputStream(self._outputs[name]._write)

@@ -21,6 +21,7 @@ from typing import Any
 import wasmtime
 from wasmtime import component as wc
 
+from inferlets.host import output_capture
 from inferlets.host import wit_values as wv
 from inferlets.host.control import InferletRun
 from inferlets.host.errors import (
@@ -36,6 +37,7 @@ from inferlets.host.iface_media import MediaCalls
 from inferlets.host.iface_runtime import ModelCalls, RuntimeCalls
 from inferlets.host.iface_speech import SpeechCalls
 from inferlets.host.limits import RunLimits
+from inferlets.host.output_capture import OutputCapture
 from inferlets.host.pie_world import (
     PieHost,
     check_imports,
@@ -319,19 +321,29 @@ class InferletRuntime:
         state.pie = host = self._pie_host(state)
         store = self._store(state.limits)
         wasi = wasmtime.WasiConfig()
+        capture: OutputCapture | None = None
         if state.on_output is not None:
-            wasi.stdout_custom = _output_writer("stdout", state.output)
-            wasi.stderr_custom = _output_writer("stderr", state.output)
+            if output_capture.available():
+                capture = OutputCapture(state.output)
+                capture.configure(wasi)
+                state.output_source = capture.drain
+            else:
+                wasi.stdout_custom = _output_writer("stdout", state.output)
+                wasi.stderr_custom = _output_writer("stderr", state.output)
         store.set_wasi(wasi)
-        out = self._instantiate_and_run(
-            state,
-            host,
-            store,
-            self._linker(state, comp),
-            comp,
-            "this host's world (pie:media/inferlet)",
-            self._legacy_run,
-        )
+        try:
+            out = self._instantiate_and_run(
+                state,
+                host,
+                store,
+                self._linker(state, comp),
+                comp,
+                "this host's world (pie:media/inferlet)",
+                self._legacy_run,
+            )
+        finally:
+            if capture is not None:
+                capture.close()
         _check_ended(state)
         if isinstance(out, wc.Variant):
             if out.tag == "ok":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -50,7 +51,11 @@ class RunState:
         self.on_output: Callable[[str, str], None] | None = None
         """(stream, text) for what the guest writes to WASI stdout / stderr (None: dropped),
         a line at a time (``output``)."""
+        self.output_source: Callable[[], None] | None = None
+        """Hands on output captured elsewhere (``OutputCapture.drain``), called first by
+        ``flush_output``."""
         self._pending_output: list[tuple[str, str]] = []
+        self._output_lock = threading.Lock()
         self.pie: Any = None
         """The run's ``PieHost`` (both worlds: pie-media's own calls are a layer over Pie's)."""
         self.ended_by: Exception | None = None
@@ -96,26 +101,35 @@ class RunState:
 
     # -- stdout / stderr ----------------------------------------------------------------------
     def output(self, stream: str, text: str) -> None:
-        """What the guest wrote (its worker thread): whole lines go on at once, a line's start
-        waits for its end (a Python guest writes ``print``'s parts one by one), or for
-        ``flush_output``. Another stream's text first flushes what waits, keeping the order."""
+        """What the guest wrote (its worker thread, or the output capture's): whole lines go
+        on at once, a line's start waits for its end (a Python guest writes ``print``'s
+        parts one by one), or for ``flush_output``. Another stream's text first flushes what
+        waits, keeping the order."""
         if self.on_output is None:
             return
-        if self._pending_output and self._pending_output[-1][0] != stream:
-            self.flush_output()
-        pending = self._pending_output[-1][1] if self._pending_output else ""
-        text = pending + text
-        self._pending_output.clear()
-        cut = text.rfind("\n") + 1
-        if cut:
-            self.on_output(stream, text[:cut])
-        if len(text) - cut > 1 << 16:  # a line that never ends goes on in pieces
-            self.on_output(stream, text[cut:])
-        elif cut < len(text):
-            self._pending_output.append((stream, text[cut:]))
+        with self._output_lock:
+            if self._pending_output and self._pending_output[-1][0] != stream:
+                self._flush_pending()
+            pending = self._pending_output[-1][1] if self._pending_output else ""
+            text = pending + text
+            self._pending_output.clear()
+            cut = text.rfind("\n") + 1
+            if cut:
+                self.on_output(stream, text[:cut])
+            if len(text) - cut > 1 << 16:  # a line that never ends goes on in pieces
+                self.on_output(stream, text[cut:])
+            elif cut < len(text):
+                self._pending_output.append((stream, text[cut:]))
 
     def flush_output(self) -> None:
-        """Hand on a partial line (before a send, so the order holds, and at the run's end)."""
+        """Hand on everything written so far, a partial line too (before a send, so the
+        order holds, and at the run's end)."""
+        if self.output_source is not None:
+            self.output_source()
+        with self._output_lock:
+            self._flush_pending()
+
+    def _flush_pending(self) -> None:
         pending, self._pending_output = self._pending_output, []
         for stream, text in pending:
             if self.on_output is not None:
