@@ -47,9 +47,7 @@ def test_echo_output_comes_whole_and_before_the_messages(rt, wasm) -> None:
             events.append((kind, text))
 
     async def main() -> str:
-        return await rt.run_async(
-            wasm, ["echo", *words], on_send=lambda m: add("message", m), on_output=add
-        )
+        return await rt.run_async(wasm, ["echo", *words], on_send=lambda m: add("message", m), on_output=add)
 
     assert asyncio.run(main()) == "255 words, 0 messages"
     kinds = [k for k, _ in events]
@@ -105,7 +103,7 @@ def test_close_hands_on_the_rest_and_frees_the_files() -> None:
     c = OutputCapture(seen)
     fds = [int(p.rsplit("/", 1)[1]) for p in c.paths.values()]
     with _writer(c, "stdout") as out:
-        out.write("no newline, half a char: ".encode() + "✓".encode()[:2])
+        out.write(b"no newline, half a char: " + "✓".encode()[:2])
     c.close()
     c.close()  # twice is harmless
     c.drain()  # and a drain after close does nothing
