@@ -74,6 +74,23 @@ world exec {
 """
 
 
+PIE_DAEMON_WIT = PIE_EXEC_WIT.replace("world exec {", "world daemon {").replace(
+    "    export run;", "    export wasi:http/incoming-handler@0.2.4;"
+)
+"""A Pie daemon: Pie's imports, and ``wasi:http/incoming-handler`` exported instead of
+``run`` (served by the protocol's ``launch_daemon``)."""
+WASI_HTTP_WIT_DIR = HERE / "wasi_http_wit"
+
+
+def is_daemon_project(project: Path) -> bool:
+    """Whether a Pie project's ``main.py`` defines ``IncomingHandler`` at its top level (a
+    daemon: it serves HTTP) rather than ``async def main(input)`` (a run)."""
+    import ast
+
+    tree = ast.parse((Path(project) / "main.py").read_text(encoding="utf-8"))
+    return any(isinstance(n, ast.ClassDef) and n.name == "IncomingHandler" for n in tree.body)
+
+
 def pie_sdk_dir() -> Path:
     """The installed ``inferlet`` package (Pie's Python SDK, 0.4.0), bundled into the guest."""
     import importlib.util
@@ -89,9 +106,11 @@ def pie_sdk_dir() -> Path:
 def build_pie_component(project: Path, out_dir: Path, *, extra: list[Path] = ()) -> Path:
     """Build a Pie 0.4 project (``Pie.toml`` + ``main.py``) with stock componentize-py and the
     installed ``inferlet`` SDK into a component of Pie's world (exports ``pie:app/run``).
-    Cached by the content of the project, the SDK, Pie's WIT and the entry module; a build
-    takes ~20 s and ~0.45 GB. ``extra``: more package folders to bundle (e.g. pie-media's
-    media helpers, ``inferlets/pie_sdk``)."""
+    A daemon project (``is_daemon_project``: ``main.py`` defines ``IncomingHandler``, a
+    ``wasi:http/incoming-handler``, and may run Pie's SDK with ``pie_loop.run(coro)``)
+    exports that handler instead. Cached by the content of the project, the SDK, the WIT and
+    the guest modules; a build takes ~20 s and ~0.45 GB. ``extra``: more package folders to
+    bundle (e.g. pie-media's media helpers, ``inferlets/pie_sdk``)."""
     import shutil
     import tempfile
 
@@ -101,7 +120,8 @@ def build_pie_component(project: Path, out_dir: Path, *, extra: list[Path] = ())
     manifest = PieManifest.load(project)
     sdk = pie_sdk_dir()
     entry_dir = PIE_ENTRY.parent
-    digest = _digest([project, sdk, PIE_WIT_DIR, entry_dir, *extra])
+    daemon = is_daemon_project(project)
+    digest = _digest([project, sdk, PIE_WIT_DIR, entry_dir, *([WASI_HTTP_WIT_DIR] if daemon else []), *extra])
     out = Path(out_dir) / f"{manifest.name}-{manifest.version}-{digest}.wasm"
     if out.exists():
         return out
@@ -118,9 +138,16 @@ def build_pie_component(project: Path, out_dir: Path, *, extra: list[Path] = ())
         shutil.copytree(sdk, app / "inferlet", ignore=shutil.ignore_patterns("__pycache__", "bindings"))
         for pkg in extra:
             shutil.copytree(pkg, app / Path(pkg).name, ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy2(PIE_ENTRY, app / PIE_ENTRY.name)
+        for guest in entry_dir.glob("*.py"):
+            shutil.copy2(guest, app / guest.name)
         wit = work / "wit"
         shutil.copytree(PIE_WIT_DIR / "deps", wit / "deps")
-        (wit / "exec.wit").write_text(PIE_EXEC_WIT)
-        _componentize(wit, "exec", [app], "pie_entry", out)
+        if daemon:
+            shutil.copytree(WASI_HTTP_WIT_DIR / "http", wit / "deps" / "http")
+            shutil.copy2(WASI_HTTP_WIT_DIR / "clocks" / "monotonic-clock.wit", wit / "deps" / "clocks")
+            (wit / "daemon.wit").write_text(PIE_DAEMON_WIT)
+            _componentize(wit, "daemon", [app], "main", out)
+        else:
+            (wit / "exec.wit").write_text(PIE_EXEC_WIT)
+            _componentize(wit, "exec", [app], "pie_entry", out)
     return out

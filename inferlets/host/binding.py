@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import wasmtime
 from wasmtime import component as wc
 
-from inferlets.host.value_codec import GuestResource, HostOwn
+from inferlets.host.value_codec import GuestResource, HostOwn, codec
 
 log = logging.getLogger("inferlets.host")
 
@@ -191,7 +191,40 @@ def _arg_converter(t: Any, resource_of: Callable[[Any], type[Resource] | None]) 
         if inner is None:
             return None
         return lambda store, table, v: [inner(store, table, x) for x in v]
+    if isinstance(t, wc.OptionType) and not t._tagged():
+        inner = _arg_converter(t.payload, resource_of)
+        if inner is None:
+            return None
+        return lambda store, table, v: None if v is None else inner(store, table, v)
+    if isinstance(t, wc.ResultType):
+        return _result_arg_converter(t, resource_of)
     return None
+
+
+def _result_arg_converter(
+    t: Any, resource_of: Callable[[Any], type[Resource] | None]
+) -> Callable[..., Any] | None:
+    """A ``result`` argument holding resources (``response-outparam.set``) -> ``Ok(x)`` /
+    ``Err(e)``; the case of an untagged one is told by the value's class, as wasmtime-py
+    tells it."""
+    ok_c = _arg_converter(t.ok, resource_of) if t.ok is not None else None
+    err_c = _arg_converter(t.err, resource_of) if t.err is not None else None
+    if ok_c is None and err_c is None:
+        return None
+    tagged = t._tagged()
+    ok_classes = codec(t.ok).classes if t.ok is not None else None
+
+    def conv(store: Any, table: ResourceTable, v: Any) -> Any:
+        if tagged:
+            is_ok, payload = v.tag == "ok", v.payload
+        else:
+            is_ok = v is None if ok_classes is None else isinstance(v, ok_classes)
+            payload = v
+        c = ok_c if is_ok else err_c
+        x = payload if c is None else c(store, table, payload)
+        return Ok(x) if is_ok else Err(x)
+
+    return conv
 
 
 def _out_converter(t: Any) -> Callable[[ResourceTable, Any], Any] | None:

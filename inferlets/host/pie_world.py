@@ -301,7 +301,7 @@ def plan_pie_world(engine: wasmtime.Engine, comp: wc.Component) -> PieLinkPlan:
         iface_cls = BY_NAME.get(base)
         if iface_cls is None:
             continue
-        is_wasi = base.startswith("wasi:")
+        is_wasi = base.startswith("wasi:") and base not in wasi.HOST_ONLY  # wasmtime has it too
         methods = iface_cls.functions()
         exports = {k: extern_type(v) for k, v in extern_type(item).exports(engine).items()}
         resources: list[tuple[str, int]] = []
@@ -358,6 +358,24 @@ def link_pie_world(engine: wasmtime.Engine, plan: PieLinkPlan, host: PieHost) ->
                     fn = host_function(link.base, f.name, method, f.shape, table, check, on_trap)
                     add_typed_func(inst, f.name, fn, f.lifts, f.lower)
     return linker
+
+
+def is_daemon(engine: wasmtime.Engine, comp: wc.Component) -> bool:
+    """Whether the component exports ``wasi:http/incoming-handler`` (a Pie daemon)."""
+    return any(base_name(n) == "wasi:http/incoming-handler" for n in comp.type.exports(engine))
+
+
+def handler_export(
+    instance: wc.Instance, store: wasmtime.Store, comp: wc.Component, engine: wasmtime.Engine
+) -> Any:
+    """The component's ``wasi:http/incoming-handler.handle`` function."""
+    for name in comp.type.exports(engine):
+        if base_name(name) == "wasi:http/incoming-handler":
+            idx = instance.get_export_index(store, name)
+            fidx = None if idx is None else instance.get_export_index(store, "handle", idx)
+            if fidx is not None:
+                return instance.get_func(store, fidx)
+    raise InvalidComponentError("the component exports no wasi:http/incoming-handler with a handle function")
 
 
 def run_export(

@@ -20,6 +20,7 @@ from typing import Any
 
 import wasmtime
 from wasmtime import component as wc
+from wasmtime.component import ResourceHost
 
 from inferlets.host import output_capture
 from inferlets.host import wit_values as wv
@@ -42,6 +43,8 @@ from inferlets.host.pie_world import (
     PieHost,
     check_imports,
     extern_type,
+    handler_export,
+    is_daemon,
     is_pie_world,
     link_pie_world,
     plan_pie_world,
@@ -50,6 +53,7 @@ from inferlets.host.pie_world import (
 from inferlets.host.state import RunState
 from inferlets.host.typed_funcs import add_typed_func, typed_codecs
 from inferlets.host.value_codec import Lift, Lower
+from inferlets.host.wasi.http import HttpExchange, IncomingRequest, ResponseOutparam
 from inferlets.host.wasmtime_slab import install as _install_thread_safe_slabs
 from media import cache_scope, use_cache_scope
 from media.errors import PieMediaError
@@ -193,16 +197,20 @@ class InferletRuntime:
     def check_component(self, wasm: bytes | Path) -> str:
         """Compile (cached) and check a component is one this host runs; its world's name:
         ``"pie"`` (Pie 0.4.0's world: every import one this host serves, a ``<pkg>/run``
-        export) or ``"pie:media"`` (this project's own world: its imports, a ``run``
+        export), ``"pie-daemon"`` (Pie's imports, ``wasi:http/incoming-handler`` exported:
+        ``serve_http``) or ``"pie:media"`` (this project's own world: its imports, a ``run``
         export). ``InvalidComponentError`` names what does not fit."""
         key, comp = self.component(wasm)
         imports = list(comp.type.imports(self.engine))
         exports = list(comp.type.exports(self.engine))
         if self.is_pie_world(wasm):
             check_imports(self.engine, comp)
+            if is_daemon(self.engine, comp):
+                return "pie-daemon"
             if not any(e.split("@", 1)[0].endswith("/run") for e in exports):
                 raise InvalidComponentError(
-                    "the component exports no <package>/run interface (Pie's run entry point)"
+                    "the component exports no <package>/run interface (Pie's run entry point) "
+                    "and no wasi:http/incoming-handler (a daemon's)"
                 )
             return "pie"
         foreign = sorted(i for i in imports if i.startswith("pie:") and not i.startswith(f"{PACKAGE}/"))
@@ -259,6 +267,78 @@ class InferletRuntime:
         finally:
             state.flush_output()
             state.close()
+
+    def serve_http(
+        self,
+        wasm: bytes | Path,
+        exchange: HttpExchange,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        limits: RunLimits | None = None,
+        control: InferletRun | None = None,
+        on_output: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """Serve one HTTP request with a fresh instance of a daemon component (one that
+        exports ``wasi:http/incoming-handler``), as Pie does: on this (worker) thread, engine
+        calls on ``loop``, under the run's limits. The response goes out through
+        ``exchange``'s callbacks as the guest writes it; ``exchange.end`` is called however
+        the request ends (with why, when it failed: a guest that never set a response gets
+        a 500 saying so)."""
+        _, comp = self.component(wasm)
+        state = RunState(self.models, loop, [], lambda s: None, limits or self.limits, control)
+        state.on_output = on_output
+        scope = control.cache_scope if control is not None else cache_scope()
+        failed: str | None = None
+        try:
+            with use_cache_scope(scope), self._ticker:
+                self._execute_daemon(state, comp, exchange)
+        except Exception as e:
+            failed = getattr(e, "message", None) or str(e) or type(e).__name__
+            raise
+        finally:
+            state.flush_output()
+            state.close()
+            if not exchange.answered:
+                exchange.answered = True
+                why = failed or "the daemon returned without setting a response (response-outparam.set)"
+                exchange.on_head(500, [("content-type", b"text/plain; charset=utf-8")])
+                exchange.on_body(f"{why}\n".encode())
+                exchange.end(None)
+            else:
+                exchange.end(failed)
+
+    def _execute_daemon(self, state: RunState, comp: wc.Component, exchange: HttpExchange) -> None:
+        state.pie = host = self._pie_host(state)
+        store = self._store(state.limits)
+        store.set_wasi(wasmtime.WasiConfig())
+        try:
+            plan = self._link_plan(comp, lambda c: plan_pie_world(self.engine, c))
+            linker = link_pie_world(self.engine, plan, host)
+        except BaseException:
+            host.close()
+            store.close()
+            raise
+
+        def start(instance: Any, store: wasmtime.Store) -> Any:
+            handle = handler_export(instance, store, comp, self.engine)
+            request = host.table.own(IncomingRequest(exchange))
+            response_out = host.table.own(ResponseOutparam(exchange))
+            return handle(
+                store,
+                ResourceHost.own(request.rep, request.type_id),
+                ResourceHost.own(response_out.rep, response_out.type_id),
+            )
+
+        self._instantiate_and_run(
+            state, host, store, linker, comp, "a Pie daemon (wasi:http/incoming-handler)", start
+        )
+        _check_ended(state)
+
+    def is_daemon(self, wasm: bytes | Path) -> bool:
+        """Whether the component exports ``wasi:http/incoming-handler`` (served by
+        ``launch_daemon``, a request at a time) rather than a run entry point."""
+        _, comp = self.component(wasm)
+        return is_daemon(self.engine, comp)
 
     async def run_async(self, wasm: bytes | Path, args: list[str], **kw: Any) -> str:
         """Run on a worker thread; host calls come back to the running loop. Keywords as
