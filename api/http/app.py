@@ -205,6 +205,9 @@ def create_app(settings: ServeSettings, *, loader: ModelLoader | None = None) ->
         registry.ready = False
         reload_keys()
         unfreeze_startup_heap()
+        proto = getattr(app.state, "pie_protocol", None)
+        if proto is not None:
+            await asyncio.to_thread(proto.daemons.close)
         await service.inferlet_runs.shutdown()
         await service.job_runner.shutdown()
 

@@ -334,6 +334,11 @@ class InferletRuntime:
         )
         _check_ended(state)
 
+    @property
+    def threads(self) -> ThreadPoolExecutor:
+        """The worker threads runs and daemon requests run on (``max_concurrent_runs``)."""
+        return self._threads
+
     def is_daemon(self, wasm: bytes | Path) -> bool:
         """Whether the component exports ``wasi:http/incoming-handler`` (served by
         ``launch_daemon``, a request at a time) rather than a run entry point."""

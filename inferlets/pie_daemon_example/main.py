@@ -4,7 +4,7 @@
 fresh instance.
 
 Endpoints:
-- ``GET /``: a greeting and the models this server has;
+- ``GET /``: a greeting to the launcher's user and the models this server has;
 - ``POST /echo``: the request's body back, with its content type;
 - ``GET /echo-headers``: the request's headers as JSON;
 - ``POST /generate``: ``{"prompt": ..., "max_tokens": n}``: the model's greedy answer, streamed
@@ -86,7 +86,10 @@ class IncomingHandler(exports.IncomingHandler):
         path = request.path_with_query() or "/"
         method = request.method()
         if path == "/" and isinstance(method, http.Method_Get):
-            text = f"Hello from a Pie daemon inferlet on pie-media. Models: {', '.join(runtime.models())}\n"
+            text = (
+                f"Hello from a Pie daemon inferlet on pie-media, {runtime.username() or 'anonymous'}. "
+                f"Models: {', '.join(runtime.models())}\n"
+            )
             respond(response_out, 200, "text/plain; charset=utf-8", text.encode())
         elif path == "/echo" and isinstance(method, http.Method_Post):
             headers = dict(request.headers().entries())

@@ -8,7 +8,9 @@ processes.py launch / attach / terminate / list / signal over the server's run t
 mcp_relay.py register_mcp_server / mcp_request / mcp_response: the relay the WIT host's
              pie:mcp/client calls (mcp_call, submit, client_for; see its docstring)
 session.py   one connection: dispatch by type, answers and events (files as chunks) through
-             one writer; transfer_file to the run; launch_daemon refused clearly
+             one writer; transfer_file to the run
+daemons.py   launch_daemon: a component exporting wasi:http/incoming-handler served on
+             127.0.0.1:port, a fresh instance per request
 route.py     the WebSocket route at ``/``
 """
 

@@ -2,8 +2,8 @@
 (``pie-client==0.4.0``: ``PieClient("ws://HOST:PORT")``) connects. HTTP ``GET /`` is
 another route (the page's redirect) and answers as before: the two match by scope type.
 
-The app's protocol state (the process hub over the run table, the program index) is made
-on the first connection and kept on ``app.state.pie_protocol``."""
+The app's protocol state (the process hub over the run table, the program index, the
+daemons) is made on the first connection and kept on ``app.state.pie_protocol``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, WebSocket
 
+from api.http.pie_protocol.daemons import DaemonTable
 from api.http.pie_protocol.processes import ProcessHub
 from api.http.pie_protocol.programs import ProgramStore
 from api.http.pie_protocol.session import Session
@@ -22,6 +23,7 @@ router = APIRouter()
 class PieProtocol:
     hub: ProcessHub
     programs: ProgramStore
+    daemons: DaemonTable
 
 
 def protocol_state(app: object) -> PieProtocol:
@@ -32,6 +34,7 @@ def protocol_state(app: object) -> PieProtocol:
         found = PieProtocol(
             hub=ProcessHub(service.inferlet_runs),
             programs=ProgramStore(service.settings.state_dir / "pie_programs"),
+            daemons=DaemonTable(),
         )
         state.pie_protocol = found
     return found
@@ -49,6 +52,7 @@ async def pie_protocol(websocket: WebSocket) -> None:
         keys=app.state.keys,
         hub=proto.hub,
         programs=proto.programs,
+        daemons=proto.daemons,
         auth_timeout_s=settings.pie_auth_timeout_s,
         upload_timeout_s=settings.pie_upload_timeout_s,
     ).serve()

@@ -40,6 +40,7 @@ from api.http.errors import ServiceError
 from api.http.pie_protocol import framing
 from api.http.pie_protocol.auth import Auth
 from api.http.pie_protocol.children import child_launcher
+from api.http.pie_protocol.daemons import DaemonTable
 from api.http.pie_protocol.mcp_relay import RELAY, McpEndpoint, client_for
 from api.http.pie_protocol.processes import LaunchError, ProcessHub, args_of, budget_of, launch_args
 from api.http.pie_protocol.programs import (
@@ -53,6 +54,7 @@ from api.http.pie_protocol.programs import (
 )
 from api.http.security.audit import audit
 from api.http.security.tenancy import enter
+from media import cache_scope
 from media.errors import PieMediaError
 
 log = logging.getLogger("pie_media.pie_protocol")
@@ -62,10 +64,6 @@ MAX_LIVE_PROCESSES = 32
 """Processes one connection may have running at once (its launches past it: ok:false)."""
 FILE_GRACE_S = 0.05
 """How long after a launch / attach response a held ``file`` waits (see the docstring)."""
-DAEMONS = (
-    "launch_daemon: daemons need a component exporting wasi:http/incoming-handler; "
-    "this server does not serve them"
-)
 NOT_YET = {
     "submit_workflow": "workflows are not supported by pie-media",
     "cancel_workflow": "workflows are not supported by pie-media",
@@ -100,6 +98,7 @@ class Session:
         keys: Any,
         hub: ProcessHub,
         programs: ProgramStore,
+        daemons: DaemonTable,
         auth_timeout_s: float,
         upload_timeout_s: float,
     ):
@@ -107,6 +106,7 @@ class Session:
         self.service = service
         self.hub = hub
         self.programs = programs
+        self.daemons = daemons
         self.auth = Auth(keys)
         self.auth_timeout_s = auth_timeout_s
         self.upload_timeout_s = upload_timeout_s
@@ -563,8 +563,25 @@ class Session:
         return opens("Process attached", [rec.id])
 
     async def launch_daemon(self, msg: dict[str, Any]) -> str:
-        self._program(msg.get("inferlet"))  # one not installed is told so first
-        raise Reply(DAEMONS)
+        runtime = self._runtime()
+        program, path = self._program(msg.get("inferlet"))  # one not installed is told so first
+        try:
+            daemon = await asyncio.to_thread(
+                self.daemons.launch,
+                runtime=runtime,
+                wasm=path,
+                program=program.ref,
+                port=msg.get("port"),
+                tenant=self.caller.tenant,
+                username=self.caller.name or "",
+                cache_scope=cache_scope(),
+                loop=asyncio.get_running_loop(),
+                max_body_bytes=self.service.settings.max_inferlet_bytes,
+            )
+        except ValueError as e:
+            raise Reply(f"launch_daemon: {e}") from None
+        audit("create", "inferlet_daemon", f"port-{daemon.port}", program=program.ref, via="pie")
+        return "server launched"
 
     async def register_mcp_server(self, msg: dict[str, Any]) -> str:
         assert self.mcp is not None

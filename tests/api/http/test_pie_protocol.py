@@ -312,7 +312,7 @@ def test_token_budget_and_many_processes(open_server: Server, installed: str) ->
                 await c.run_processes("nothing@1.0.0", [{}])
             with pytest.raises(Exception, match="token_budget"):
                 await c.launch_process(PROGRAM, ["echo"], token_budget=-1)
-            with pytest.raises(Exception, match="exporting wasi:http/incoming-handler"):
+            with pytest.raises(Exception, match="is not a daemon: its component exports no wasi:http"):
                 await c.launch_daemon(PROGRAM, 9999)
             with pytest.raises(Exception, match="not installed"):
                 await c.launch_daemon("nothing@1.0.0", 9999)
