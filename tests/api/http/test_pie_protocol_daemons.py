@@ -174,3 +174,32 @@ def test_launch_errors_are_answered_and_the_server_goes_on(srv: App, tmp_path: P
         busy.close()
     assert httpx.get(f"{srv.url}/health", timeout=T).status_code == 200
     assert json.loads(httpx.get(f"{srv.url}/v1/models", timeout=T).text)["data"]
+
+
+def test_a_daemon_runs_as_its_launcher(tmp_path: Path, built: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[[keys]]\nname = "alice"\nkey = "sk-alice-0123456789"\n[[keys]]\nname = "bob"\nkey = "sk-bob-0123456789"\n'
+    )
+    a = start_app(tmp_path, api_key_file=keys)
+    port = free_port()
+
+    async def go() -> None:
+        async with PieClient(a.ws) as c:
+            await c.auth_by_token("sk-alice-0123456789")
+            await c.install_program(built, DAEMON_DIR / "Pie.toml")
+            await c.launch_daemon(DAEMON, port)
+        async with PieClient(a.ws) as c:
+            await c.auth_by_token("sk-bob-0123456789")
+            with pytest.raises(Exception, match="not installed"):  # alice's program, not bob's
+                await c.launch_daemon(DAEMON, free_port())
+
+    try:
+        run(go())
+        wait_for_port(port)
+        home = httpx.get(f"http://127.0.0.1:{port}/", timeout=T)
+        assert home.text == "Hello from a Pie daemon inferlet on pie-media, alice. Models: \n"
+    finally:
+        stop_app(a)
+    with pytest.raises(httpx.TransportError):  # the daemon stopped with its server
+        httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
