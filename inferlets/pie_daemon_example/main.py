@@ -9,6 +9,7 @@ Endpoints:
 - ``GET /echo-headers``: the request's headers as JSON;
 - ``POST /generate``: ``{"prompt": ..., "max_tokens": n}``: the model's greedy answer, streamed
   as it is generated (Pie's SDK on ``pie_loop``);
+- ``GET /fail``: a handler that raises before answering (the host answers 500 with why);
 - anything else: 404.
 
 Built by ``pie-media inferlet build`` (a ``main.py`` defining ``IncomingHandler`` is a daemon).
@@ -109,5 +110,7 @@ class IncomingHandler(exports.IncomingHandler):
             reply = Reply(response_out, 200, "text/plain; charset=utf-8")
             pie_loop.run(generate(prompt, max_tokens, reply))
             reply.finish()
+        elif path == "/fail":
+            raise RuntimeError("this handler fails on purpose")
         else:
             respond(response_out, 404, "text/plain", f"no route for {path}\n".encode())

@@ -111,6 +111,10 @@ def test_a_daemon_serves_http_on_its_port(srv: App) -> None:
         missing = http.get(f"{base}/nowhere?x=1")
         assert (missing.status_code, missing.text) == (404, "no route for /nowhere?x=1\n")
 
+        failed = http.get(f"{base}/fail")
+        assert failed.status_code == 500 and "trapped" in failed.text, failed.text
+        assert http.get(f"{base}/").status_code == 200  # the next request is served
+
         bad = http.post(f"{base}/generate", content=b"not json")
         assert bad.status_code == 400 and "bad request" in bad.text
 
