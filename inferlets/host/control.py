@@ -86,6 +86,9 @@ class InferletRun:
     ):
         self.namespace = namespace
         self.username = username
+        self.tokens_used = 0
+        """Tokens the run has generated so far (``RunState.spend_tokens``): what a server
+        charges to its caller's key when it ends."""
         self.cache_scope = current_cache_scope() if cache_scope is None else cache_scope
         self._inbox = _Inbox()
         self._files = _Inbox()

@@ -98,6 +98,8 @@ class RunState:
 
     def spend_tokens(self, n: int) -> None:
         self.tokens_used += n
+        if self.control is not None:
+            self.control.tokens_used += n
 
     # -- stdout / stderr ----------------------------------------------------------------------
     def output(self, stream: str, text: str) -> None:

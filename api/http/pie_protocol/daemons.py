@@ -9,7 +9,8 @@ limit, as Pie buffers it. Then the guest runs on the inferlet host's worker thre
 engine calls on the server's loop. The response streams back as the guest writes it.
 
 A daemon runs as its launcher: the tenant's programs, saved contexts and cache scope, under
-the server's run limits per request. It lives until the server stops; ``DaemonTable.close``
+the server's run limits per request; each request counts against the launcher's key limits
+(a request, a stream slot while it runs, the tokens it generates), past them a 429. It lives until the server stops; ``DaemonTable.close``
 stops them all."""
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from api.http.errors import ServiceError
 from inferlets import InferletRun
 from inferlets.host.wasi.http import HttpExchange
 
@@ -74,11 +77,14 @@ class DaemonTable:
         tenant: str,
         username: str,
         cache_scope: str,
+        admit: Callable[[], Callable[[int], None]],
         loop: asyncio.AbstractEventLoop,
         max_body_bytes: int,
     ) -> Daemon:
-        """Bind 127.0.0.1:``port`` and serve the component there. ``ValueError`` with the
-        reason when it cannot (not a daemon, a bad or busy port, too many daemons)."""
+        """Bind 127.0.0.1:``port`` and serve the component there. ``admit()``: each request
+        counted against the launcher's key limits (``KeyLimiter.admit_run``; its error is a
+        429). ``ValueError`` with the reason when it cannot (not a daemon, a bad or busy
+        port, too many daemons)."""
         if not runtime.is_daemon(wasm):
             raise ValueError(
                 f"{program} is not a daemon: its component exports no wasi:http/incoming-handler "
@@ -104,6 +110,7 @@ class DaemonTable:
                 runtime=runtime,
                 wasm=wasm,
                 cache_scope=cache_scope,
+                admit=admit,
                 engine_loop=loop,
                 max_body_bytes=max_body_bytes,
             )
@@ -139,6 +146,7 @@ async def _serve_request(
     runtime: Any,
     wasm: Path,
     cache_scope: str,
+    admit: Callable[[], Callable[[int], None]],
     engine_loop: asyncio.AbstractEventLoop,
     max_body_bytes: int,
 ) -> None:
@@ -156,6 +164,11 @@ async def _serve_request(
             return
         if not message.get("more_body"):
             break
+    try:
+        admitted = admit()
+    except ServiceError as e:
+        await _plain(send, 429, f"{e.code}: {e.message}\n")
+        return
     daemon.requests += 1
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any, Any]] = asyncio.Queue()
@@ -179,7 +192,12 @@ async def _serve_request(
     )
     control = InferletRun(namespace=daemon.tenant, cache_scope=cache_scope, username=daemon.username)
     serve = functools.partial(runtime.serve_http, wasm, exchange, loop=engine_loop, control=control)
-    done = loop.run_in_executor(runtime.threads, serve)
+    try:
+        done = loop.run_in_executor(runtime.threads, serve)
+    except BaseException:
+        admitted(0)
+        raise
+    done.add_done_callback(lambda _f: admitted(control.tokens_used))
     started = False
     try:
         while True:

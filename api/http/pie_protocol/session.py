@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -435,20 +436,18 @@ class Session:
             audit("create", "inferlet", program.inferlet_id, program=program.ref, via="pie")
         return result
 
-    def _admit(self) -> tuple[Any, float | None] | None:
+    def _admit(self) -> Callable[[int], None]:
         """Count one launch against the caller's key limits (one request; a stream slot,
-        held while the process runs; refused while the key's token bucket is empty)."""
+        held while the process runs; refused while the key's token bucket is empty). Returns
+        ``done(tokens)``: the slot back and the run's tokens charged, when it ends."""
         caller = self.caller
-        if not caller.limits.any:
-            return None
-        metrics = self.service.metrics
-        metrics.key_requests.labels(caller.name).inc()
+        if caller.limits.any:
+            self.service.metrics.key_requests.labels(caller.name).inc()
         try:
-            started = self.service.key_limits.admit(caller, generation=True)
+            return self.service.key_limits.admit_run(caller)
         except ServiceError as e:
-            metrics.key_limited.labels(caller.name, e.code).inc()
+            self.service.metrics.key_limited.labels(caller.name, e.code).inc()
             raise Reply(f"{e.code}: {e.message}") from None
-        return caller, started
 
     def _launch(
         self, msg: dict[str, Any], input_text: Any, budget: Any, capture: bool, keep: bool = True
@@ -477,14 +476,15 @@ class Session:
                 keep=keep,
             )
         except BaseException as e:
-            if admitted is not None:
-                self.service.key_limits.release(*admitted)
+            admitted(0)
             if isinstance(e, ServiceError):  # queue_full
                 raise Reply(f"{e.code}: {e.message}") from None
             raise
-        if admitted is not None and rec.task is not None:
-            limiter = self.service.key_limits
-            rec.task.add_done_callback(lambda _t: limiter.release(*admitted))
+        if rec.task is not None:
+            control = rec.control
+            rec.task.add_done_callback(lambda _t: admitted(control.tokens_used))
+        else:
+            admitted(0)
         self._live.add(rec.id)
         rec.control.username = self.caller.name or ""
         if self.mcp is not None:
@@ -575,6 +575,7 @@ class Session:
                 tenant=self.caller.tenant,
                 username=self.caller.name or "",
                 cache_scope=cache_scope(),
+                admit=functools.partial(self.service.key_limits.admit_run, self.caller),
                 loop=asyncio.get_running_loop(),
                 max_body_bytes=self.service.settings.max_inferlet_bytes,
             )

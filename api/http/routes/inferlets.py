@@ -243,16 +243,26 @@ async def start_run(
             param="args",
             limit=runtime.limits.max_text_bytes,
         )
-    rec = service.inferlet_runs.start(
-        runtime,
-        inferlet_id,
-        path,
-        args,
-        _limits(runtime.limits, body),
-        body.messages,
-        body.close_input,
-        tenant=current_caller().tenant,
-    )
+    caller = current_caller()
+    # a stream slot held while the run goes, its tokens charged when it ends (the middleware
+    # counted the request)
+    admitted = service.key_limits.admit_run(caller, count_request=False)
+    try:
+        rec = service.inferlet_runs.start(
+            runtime,
+            inferlet_id,
+            path,
+            args,
+            _limits(runtime.limits, body),
+            body.messages,
+            body.close_input,
+            tenant=caller.tenant,
+        )
+    except BaseException:
+        admitted(0)
+        raise
+    assert rec.task is not None
+    rec.task.add_done_callback(lambda _t: admitted(rec.control.tokens_used))
     audit("create", "inferlet_run", rec.id, inferlet=inferlet_id)
     if body.background:
         return JSONResponse(RunObject.of(rec).model_dump(), status_code=202)

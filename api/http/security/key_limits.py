@@ -92,10 +92,11 @@ class KeyLimiter:
                 setattr(st, attr, _Bucket(per_minute / 60.0, float(per_minute), float(per_minute)))
         return st
 
-    def admit(self, caller: Caller, *, generation: bool) -> float | None:
+    def admit(self, caller: Caller, *, generation: bool, count_request: bool = True) -> float | None:
         """Count one request (and, for ``generation``, check the token bucket and take a
         stream slot, given back by ``release``); ``ServiceError`` (429) past a limit. Returns
-        the slot's start (pass it to ``release``), None when no slot was taken."""
+        the slot's start (pass it to ``release``), None when no slot was taken.
+        ``count_request=False``: the request was counted already (by the middleware)."""
         lim = caller.limits
         if not lim.any:
             return None
@@ -115,7 +116,7 @@ class KeyLimiter:
                     retry_after=retry,
                     limit=lim.max_concurrent_streams,
                 )
-            if st.requests is not None:
+            if st.requests is not None and count_request:
                 st.requests.refill(now)
                 if st.requests.level < 1:
                     raise _rate_error(caller, "requests", st.requests.wait_s(1), lim.requests_per_minute)
@@ -123,7 +124,7 @@ class KeyLimiter:
                 st.tokens.refill(now)
                 if st.tokens.level <= 0:
                     raise _rate_error(caller, "tokens", st.tokens.wait_s(1), lim.tokens_per_minute)
-            if st.requests is not None:
+            if st.requests is not None and count_request:
                 st.requests.level -= 1
             if generation:
                 st.streams += 1
@@ -144,6 +145,24 @@ class KeyLimiter:
                 if started is not None and started in st.started:
                     st.started.remove(started)
                     st.durations.append(time.monotonic() - started)
+
+    def admit_run(self, caller: Caller, *, count_request: bool = True) -> Callable[[int], None]:
+        """Admit an inferlet run (or one request to a daemon) for ``caller``: a stream slot,
+        checked against the token bucket (and the request, with ``count_request``);
+        ``ServiceError`` (429) past a limit. Returns ``done(tokens)``, to call once when it
+        ends: the slot back, the tokens it generated charged to the key."""
+        started = self.admit(caller, generation=True, count_request=count_request)
+        if started is None:
+            return lambda tokens: None
+        spent = [False]
+
+        def done(tokens: int) -> None:
+            if not spent[0]:
+                spent[0] = True
+                self.release(caller, started)
+                self.charge_tokens(caller, tokens)
+
+        return done
 
     def charge_tokens(self, caller: Caller, n: int) -> None:
         """A finished request spent ``n`` tokens (prompt + generated)."""
