@@ -123,6 +123,15 @@ class ProgramStore:
                 found.append((name, version))
         return sorted(found)
 
+    def delete(self, tenant: str, name: str, version: str) -> bool:
+        """Forget ``name@version`` for ``tenant`` (its component stays in the inferlet store,
+        where other names or uploads may hold it); False when it was not there."""
+        try:
+            self._file(tenant, name, version).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
     def put(self, tenant: str, program: Program) -> None:
         path = self._file(tenant, program.name, program.version)
         path.parent.mkdir(parents=True, exist_ok=True)

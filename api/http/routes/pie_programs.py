@@ -16,6 +16,8 @@ launched here is a process ``pie-client`` can attach to, listed and cancelled un
   ``[parameters]`` (a 400 naming the field otherwise) and the run starts in the server's run
   table as a protocol process (its events are kept for whoever attaches first). Answers the
   run at once (``inferlet.run``).
+* ``DELETE /v1/pie/programs/{name}@{version}``: the caller's program is forgotten (its
+  component stays under ``/v1/inferlets``; runs and daemons already going go on).
 * ``GET /v1/pie/runs/{run_id}/events``: server-sent events of any run of the caller's, as
   Pie's client gets them: ``message``, ``stdout``, ``stderr``, ``file`` (base64), then
   ``return`` or ``error``. Leaving the stream detaches; the run goes on (cancel it with
@@ -288,16 +290,54 @@ async def launch_program(
         runtime.launch_child = child_launcher(service, proto.programs, asyncio.get_running_loop())
     args = _input_args(found, await asyncio.to_thread(runtime.is_pie_world, path), body)
     caller = current_caller()
+    # a stream slot held while the run goes, its tokens charged when it ends (the middleware
+    # counted the request)
+    admitted = service.key_limits.admit_run(caller, count_request=False)
     try:
         rec = proto.hub.launch(
             runtime, found.inferlet_id, path, args, tenant=caller.tenant, token_budget=budget, sink=None
         )
     except LaunchError as e:
+        admitted(0)
         raise ServiceError("invalid_request", str(e), param="input") from None
+    except BaseException:
+        admitted(0)
+        raise
+    if rec.task is not None:
+        rec.task.add_done_callback(lambda _t: admitted(rec.control.tokens_used))
+    else:
+        admitted(0)
     rec.control.username = caller.name or ""
     rec.control.mcp = client_for(rec.control)  # no MCP servers over HTTP: the guest is told so
     audit("create", "inferlet_run", rec.id, inferlet=found.inferlet_id, program=found.ref)
     return RunObject.of(rec)
+
+
+class PieProgramDeleted(BaseModel):
+    id: str
+    object: Literal["pie.program"] = "pie.program"
+    deleted: bool = True
+
+
+@router.delete(
+    "/v1/pie/programs/{program}",
+    response_model=PieProgramDeleted,
+    responses=Service.error_responses(400, 401, 404),
+)
+async def delete_program(
+    program: str, request: Request, service: Service = Depends(get_service)
+) -> PieProgramDeleted:
+    """Forget ``name@version`` for the caller's tenant."""
+    programs = _protocol(request).programs
+    try:
+        name, version = split_ref(program)
+    except ProgramError as e:
+        raise ServiceError("invalid_request", str(e), param="program") from None
+    found = programs.get(current_caller().tenant, name, version)
+    if found is None or not await asyncio.to_thread(programs.delete, current_caller().tenant, name, version):
+        raise ServiceError("not_found", f"program {name}@{version} is not installed", param="program")
+    audit("delete", "inferlet_program", found.ref, inferlet=found.inferlet_id)
+    return PieProgramDeleted(id=found.ref)
 
 
 def _sse(event: str, data: object) -> str:

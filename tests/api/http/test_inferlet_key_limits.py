@@ -1,5 +1,6 @@
 """Per-key limits hold for inferlets whichever door they come through: a run launched over
-HTTP holds a stream slot while it runs (as a WebSocket launch does), the tokens a run
+HTTP (``/v1/inferlets/{id}/runs``, ``/v1/pie/programs/{p}/launch``) holds a stream slot
+while it runs, as a WebSocket launch does, the tokens a run
 generates are charged to its key when it ends, and every request to a daemon counts against
 its launcher's key (a 429 past it). A real server (tiny model) on 127.0.0.1, the real
 pie-client and httpx."""
@@ -100,6 +101,10 @@ def test_an_http_run_holds_a_stream_slot(srv: App) -> None:
                 await c.launch_process(PROGRAM, ["echo"])
 
     run(ws_launch())
+    pie_http = httpx.post(
+        f"{srv.url}/v1/pie/programs/{PROGRAM}/launch", json={"input": ["echo"]}, headers=auth, timeout=T
+    )
+    assert pie_http.status_code == 429 and pie_http.json()["error"]["code"] == "too_many_streams"
     cancel = httpx.post(f"{url}/{waiting.json()['id']}/cancel", headers=auth, timeout=T)
     assert cancel.json()["status"] == "cancelled"
     deadline = time.monotonic() + T

@@ -235,3 +235,25 @@ def test_one_program_index_and_one_process_model_with_pie_client(
     assert seen[-1] == ("return", "done") and ("message", "[test] verdict: CONCURRENT") in seen
     got = events(alice, theirs)
     assert got[-1][0] == "return" and got[-1][1]["result"] == "done"
+
+
+def test_delete_forgets_a_program_for_its_tenant_only(
+    alice: httpx.Client, bob: httpx.Client, wasm: Path
+) -> None:
+    toml = (
+        (CONCURRENCY / "Pie.toml").read_text().replace('name = "py-concurrency-test"', 'name = "short-lived"')
+    )
+    assert install(alice, wasm, toml).status_code == 200
+    assert install(bob, wasm, toml).status_code == 200
+    gone = alice.delete("/v1/pie/programs/short-lived@0.1.0")
+    assert gone.status_code == 200 and gone.json() == {
+        "id": "short-lived@0.1.0",
+        "object": "pie.program",
+        "deleted": True,
+    }
+    assert "short-lived@0.1.0" not in {p["id"] for p in alice.get("/v1/pie/programs").json()["data"]}
+    assert alice.post("/v1/pie/programs/short-lived@0.1.0/launch", json={}).status_code == 404
+    assert alice.delete("/v1/pie/programs/short-lived@0.1.0").status_code == 404  # once
+    assert alice.delete("/v1/pie/programs/not a ref").status_code == 400
+    assert "short-lived@0.1.0" in {p["id"] for p in bob.get("/v1/pie/programs").json()["data"]}  # bob's stays
+    assert bob.delete("/v1/pie/programs/short-lived@0.1.0").status_code == 200
