@@ -225,37 +225,53 @@ class HostCallTimer:
                 with lock:
                     timer.guest_cpu += time.thread_time() - c0
 
-        # Every entry from wasm into Python (host functions, typed_funcs' callback; resource
-        # drops, wasmtime-py's) goes through ``catch_exceptions``: timed around it, the
-        # entries' whole cost, the value conversions (value_codec) included.
+        # Every entry from wasm into Python is timed around its whole cost, the value
+        # conversions (value_codec) included: host functions enter through typed_funcs'
+        # callback (``call_entry``, wrapped in a timed callback of its own), resource drops
+        # through wasmtime-py's ``catch_exceptions``.
         import wasmtime.component._linker as wl
+        from wasmtime import _ffi as ffi
 
         import inferlets.host.typed_funcs as tf
 
-        self._wl, self._tf, self._real_catch = wl, tf, wl.catch_exceptions
-        real_catch = self._real_catch
+        def count(t0: float, c0: float) -> None:
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+            with lock:
+                rec = calls[ENTRIES]
+                rec[0] += 1
+                rec[1] += dt
+                rec[2] += dc
+
+        self._wl, self._tf = wl, tf
+        self._real_catch, self._real_call = wl.catch_exceptions, tf._call
+        real_catch, real_entry = self._real_catch, tf.call_entry
 
         def catch_exceptions(context, run):
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return real_catch(context, run)
             finally:
-                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
-                with lock:
-                    rec = calls[ENTRIES]
-                    rec[0] += 1
-                    rec[1] += dt
-                    rec[2] += dc
+                count(t0, c0)
 
+        def timed_entry(*a):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return real_entry(*a)
+            finally:
+                count(t0, c0)
+
+        self._timed_call = ffi.wasmtime_component_func_callback_t(timed_entry)  # kept alive
         pw.host_function = host_function
         InferletRuntime.run = run
-        wl.catch_exceptions = tf.catch_exceptions = catch_exceptions
+        wl.catch_exceptions = catch_exceptions
+        tf._call = self._timed_call  # runs linked from now on enter through it
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._pw.host_function = self._real_hf
         self._rt_cls.run = self._real_run
-        self._wl.catch_exceptions = self._tf.catch_exceptions = self._real_catch
+        self._wl.catch_exceptions = self._real_catch
+        self._tf._call = self._real_call
 
     def snapshot(self) -> tuple[dict[str, tuple[int, float, float]], float]:
         with self._lock:

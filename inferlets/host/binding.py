@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import wasmtime
 from wasmtime import component as wc
 
-from inferlets.host.value_codec import GuestResource, HostOwn, codec
+from inferlets.host.value_codec import GuestResource, HostOwn, RawHandle, codec
 
 log = logging.getLogger("inferlets.host")
 
@@ -180,7 +180,7 @@ def _arg_converter(t: Any, resource_of: Callable[[Any], type[Resource] | None]) 
             if want is None:  # one of wasmtime's own resources: released, not looked at
                 v.drop(store)
                 return None
-            if isinstance(v, GuestResource):
+            if isinstance(v, (RawHandle, GuestResource)):
                 return table.lookup(*v.host_handle(store), want)
             h = v.to_host(store)
             return table.lookup(h.rep, h.type, want)

@@ -321,7 +321,9 @@ def plan_pie_world(engine: wasmtime.Engine, comp: wc.Component) -> PieLinkPlan:
             attr = methods.get(fname)
             if attr is None and is_wasi:
                 continue  # wasmtime's own function stays
-            funcs.append(_FuncLink(fname, attr, function_shape(t, resource_of), *typed_codecs(t)))
+            funcs.append(
+                _FuncLink(fname, attr, function_shape(t, resource_of), *typed_codecs(t, raw_resources=True))
+            )
         link_name = f"{base}@{wasi_version}" if is_wasi else name
         instances.append(_InstanceLink(link_name, base, iface_cls, resources, funcs))
     return PieLinkPlan(instances)
