@@ -307,17 +307,23 @@ class InferletRuntime:
             else:
                 exchange.end(failed)
 
-    def _execute_daemon(self, state: RunState, comp: wc.Component, exchange: HttpExchange) -> None:
+    def _pie_world_run(
+        self, state: RunState, comp: wc.Component
+    ) -> tuple[PieHost, wasmtime.Store, wc.Linker]:
+        """A Pie-world run's host, store and linker (both closed if the link fails)."""
         state.pie = host = self._pie_host(state)
         store = self._store(state.limits)
         store.set_wasi(wasmtime.WasiConfig())
         try:
             plan = self._link_plan(comp, lambda c: plan_pie_world(self.engine, c))
-            linker = link_pie_world(self.engine, plan, host)
+            return host, store, link_pie_world(self.engine, plan, host)
         except BaseException:
             host.close()
             store.close()
             raise
+
+    def _execute_daemon(self, state: RunState, comp: wc.Component, exchange: HttpExchange) -> None:
+        host, store, linker = self._pie_world_run(state, comp)
 
         def start(instance: Any, store: wasmtime.Store) -> Any:
             handle = handler_export(instance, store, comp, self.engine)
@@ -496,17 +502,7 @@ class InferletRuntime:
 
     def _execute_pie(self, state: RunState, comp: wc.Component) -> str:
         """Run a component of Pie 0.4.0's world (``pie_world``)."""
-        limits = state.limits
-        state.pie = host = self._pie_host(state)
-        store = self._store(limits)
-        store.set_wasi(wasmtime.WasiConfig())
-        try:
-            plan = self._link_plan(comp, lambda c: plan_pie_world(self.engine, c))
-            linker = link_pie_world(self.engine, plan, host)
-        except BaseException:
-            host.close()
-            store.close()
-            raise
+        host, store, linker = self._pie_world_run(state, comp)
 
         def start(instance: Any, store: wasmtime.Store) -> Any:
             return run_export(instance, store, comp, self.engine)(
