@@ -52,20 +52,34 @@ SAMPLERS = {  # temperature, top_k, top_p, min_p
 }
 
 
-def baseline(commit: str) -> ModuleType:
-    """engine/sampling_kernel.py as of ``commit``, imported from a temporary file."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:engine/sampling_kernel.py"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.replace("cache=True", "cache=False")
-    path = Path(tempfile.mkdtemp(prefix="pie-bench-kernel-")) / f"sampling_kernel_{commit}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"sampling_kernel_{commit}", path)
+def _git_show(commit: str, path: str) -> str | None:
+    r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else None
+
+
+def _load(name: str, source: str, folder: Path) -> ModuleType:
+    path = folder / f"{name}.py"
+    path.write_text(source.replace("cache=True", "cache=False"))
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def baseline(commit: str) -> ModuleType:
+    """engine/sampling_kernel.py as of ``commit``, imported from a temporary file, with its
+    numba kernels as of the same commit (engine/sampling_kernel_jit.py, where it has one:
+    without this the baseline would run this tree's kernels)."""
+    source = _git_show(commit, "engine/sampling_kernel.py")
+    assert source is not None, f"no engine/sampling_kernel.py at {commit}"
+    folder = Path(tempfile.mkdtemp(prefix="pie-bench-kernel-"))
+    jit_source = _git_show(commit, "engine/sampling_kernel_jit.py")
+    if jit_source is not None:
+        jit_name = f"sampling_kernel_jit_{commit}"
+        _load(jit_name, jit_source, folder)
+        source = source.replace("from engine import sampling_kernel_jit as k", f"import {jit_name} as k")
+    module = _load(f"sampling_kernel_{commit}", source, folder)
     assert module.available(), "the baseline kernel did not compile"
     return module
 

@@ -10,10 +10,10 @@ This kernel reads each row a few times, in order, and sorts only a few dozen tok
    also finds NaNs); ``t = logits / T`` as torch divides (float32);
 2. ``e = exp(t - max)`` and each token's bin, ``floor((max - t) / w)`` of 4096 equal-width
    bins (``w`` = the row's range / 4095, at most 1/64; what falls past the last bin
-   shares it), vectorised: ``exp(-d) = exp(-i / 64) * exp(-r)`` with ``i = floor(64 d)``
-   from a table and a degree-4 polynomial for ``r < 1/64`` (truncation < 1e-10, then a
-   few float32 roundings, as torch's own exp; the few tokens with ``d`` past 64 get a
-   true exp);
+   shares it), vectorised: ``exp(-d) = 2^-k * e^r`` with ``k = round(d log2 e)`` and a
+   degree-6 polynomial for ``|r| <= ln2 / 2`` (within 1.2 ulp, float32, as torch's own exp
+   is; no table, so no gather: the same speed on AVX2 CPUs that load a gather's lanes one
+   by one); the few tokens with ``d`` past 64 get a true exp);
 3. a histogram of the bins' masses (and counts, for top-k);
 4. each filter is a cut in the tokens' order (value descending, then id descending):
    top-k walks the bins' counts, top-p their masses (over what top-k keeps), min-p the
@@ -39,11 +39,11 @@ is False and ``engine.sampling`` uses its torch code.
 Speed (``bench/sampling_kernel.py``, results in ``bench/results/sampling_kernel_cpu.json``):
 a flat 151,936-token top-p row costs ~0.17-0.2 ms of one core here (was ~0.3); a call of
 two or more rows samples half of them on a second thread (``SPLIT_ROWS``), ~0.1 ms a row
-of wall time at 32 rows. What is left is mostly step 2 (a table gather) and step 3 (a
+of wall time at 32 rows. What is left is mostly step 2 (the exp) and step 3 (a
 scatter-add per token, ~1 cycle each): every pass is exact, so neither can be skipped.
 
 ``RowSoftmax`` gives a forward pass's scoring slots (``engine.slots``: logprob(s),
-entropy, dist) each row's softmax statistics with the same table exp: numpy's max, then
+entropy, dist) each row's softmax statistics with the same exp: numpy's max, then
 one compiled read of the row for log-sum-exp and entropy (~45 us for 151,936 tokens
 here), and for a dist only the 64-token blocks whose max can hold its top k.
 """
@@ -161,7 +161,7 @@ class RowSoftmax:
     """The softmax statistics of rows of logits: each row's max (numpy's), log sum exp(x -
     max), the entropy of softmax(x), and for a row with a dist that dist's normaliser at
     its temperature and its block maxima (``sampling_kernel_jit.row_stats``: one read of
-    the row after the max, with the table exp of ``sample_rows`` and float32 sums per
+    the row after the max, with the exp of ``sample_rows`` and float32 sums per
     block of 512 tokens, float64 across). ``x``: (R, V) float32, C-contiguous;
     ``dists[r]``: the (temperature > 0, k) of a dist on row r, or None. A row whose max is
     not finite (NaN, +inf, all -inf) has ``ok[r]`` False: the caller answers it another

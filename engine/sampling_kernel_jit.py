@@ -18,6 +18,8 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic
 
 __all__ = ["BINS", "WIDEST", "batch", "masks", "row_stats", "top_dist"]
 
@@ -27,8 +29,46 @@ WIDEST = 1 / 64  # = sampling_kernel.WIDEST
 njit = numba.njit(nogil=True, cache=True)
 fast = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract", "nsz"})
 nbins, widest = BINS, WIDEST
-one, half, sixth, twentyfourth = (np.float32(v) for v in (1.0, 0.5, 1.0 / 6.0, 1.0 / 24.0))
-table = np.exp(-np.arange(4096) / 64.0).astype(np.float32)  # exp(-i / 64), i / 64 < 64
+one, half = np.float32(1.0), np.float32(0.5)
+# exp(-d) without a table, so without a gather (a table's lookup was one gather a vector;
+# AVX2 CPUs whose LLVM model prefers no gathers, Zen 1-3, load its 8 lanes one by one:
+# 2.5x slower there, bench/results/*_avx2_class.json): d = k ln2 - r with k = round(d log2 e)
+# (Cody-Waite: ln2 in two parts, k ln2_hi exact), e^r by the standard degree-6 minimax
+# polynomial of float32 expf (cephes' coefficients), 2^-k written into the exponent bits.
+log2e = np.float32(1.4426950408889634)
+ln2_hi, ln2_lo = np.float32(0.693359375), np.float32(-2.12194440e-4)
+p0, p1, p2, p3, p4, p5 = (
+    np.float32(v)
+    for v in (
+        1.9875691500e-4,
+        1.3981999507e-3,
+        8.3334519073e-3,
+        4.1665795894e-2,
+        1.6666665459e-1,
+        5.0000001201e-1,
+    )
+)
+
+
+@intrinsic
+def f32_bits(typingctx, bits):
+    """The float32 whose bits are the int32 ``bits`` (a bitcast: free in a vector)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return numba.types.float32(numba.types.int32), codegen
+
+
+@fast
+def neg_exp(d):
+    """exp(-d) for 0 <= d < 64, float32 (within 1.2 ulp of the float64 value; the same bits
+    on AVX2 and AVX-512 builds), vectorisable without a gather."""
+    k = np.floor(d * log2e + half)
+    r = (k * ln2_hi - d) + k * ln2_lo  # -d + k ln2, |r| <= ln2 / 2
+    z = r * r
+    y = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * z + r + one
+    return y * f32_bits(np.int32((np.int32(127) - np.int32(k)) << 23))
 
 
 @njit
@@ -38,25 +78,20 @@ def kept(b, t, j, cut_b, cut_t, cut_id):
 
 @fast
 def exps(x, temp, mx, inv_w, e, bins):
-    """e = exp(x / temp - mx) and each token's bin (see the module's doc); tokens past
-    the table need ``far_exps`` after."""
+    """e = exp(x / temp - mx) and each token's bin (see the module's doc); tokens 64 or
+    more below the max need ``far_exps`` after."""
     cap_e = np.float32(63.99)
     cap_b = np.float32(nbins - 0.5) / inv_w
     for j in range(x.shape[0]):
         d = mx - x[j] / temp
         de = d if d < cap_e else cap_e  # a select, not min(): min's NaN rule stops vectorising
-        b = np.int32(de * np.float32(64.0))
-        r = de - np.float32(b) * np.float32(1.0 / 64.0)
-        # b is in 0..4095 (0 <= de < 64): the unsigned, masked index tells LLVM so (no
-        # negative-index fix-up in the gather), as the uint16 store does for the bin
-        poly = one - r * (one - r * (half - r * (sixth - r * twentyfourth)))
-        e[j] = table[np.uint32(b) & np.uint32(4095)] * poly
+        e[j] = neg_exp(de)
         bins[j] = np.uint16(np.int32((d if d < cap_b else cap_b) * inv_w))
 
 
 @njit
 def far_exps(x, temp, mx, e, bins, hits):
-    """The true exp of the tokens past the table (0 for -inf): all in the last bin, so
+    """The true exp of the tokens 64 or more below the max (0 for -inf): all in the last bin, so
     only the blocks of 64 that hold one are read."""
     cap_e = np.float32(63.99)
     vocab = x.shape[0]
@@ -431,15 +466,6 @@ MAX_BLOCK = 64  # tokens per block whose max a dist keeps (its candidates)
 
 
 @fast
-def table_exp(d):
-    """exp(-d) for 0 <= d < 63.99 as ``exps`` computes it (table times polynomial)."""
-    b = np.int32(d * np.float32(64.0))
-    r = d - np.float32(b) * np.float32(1.0 / 64.0)
-    poly = one - r * (one - r * (half - r * (sixth - r * twentyfourth)))
-    return table[np.uint32(b) & np.uint32(4095)] * poly
-
-
-@fast
 def exp_sums(x, temp, mx):
     """(sum e, sum e * d) over a row, e = exp(-d), d = mx - x / temp (mx: the max of
     x / temp). Tokens past 63.99 below the max (under e^-64 of the top one's; -inf
@@ -459,7 +485,7 @@ def exp_sums(x, temp, mx):
             for i in range(count):
                 d = mx - x[base + i]
                 de = d if d < cap else cap
-                e = table_exp(de)
+                e = neg_exp(de)
                 e = e if d < cap else zero
                 s += e
                 w += e * de
@@ -467,7 +493,7 @@ def exp_sums(x, temp, mx):
             for i in range(count):
                 d = mx - x[base + i] / temp
                 de = d if d < cap else cap
-                e = table_exp(de)
+                e = neg_exp(de)
                 e = e if d < cap else zero
                 s += e
                 w += e * de
@@ -499,7 +525,7 @@ def exp_sums_keys(x, bits, mx, keys):
         for i in range(count):
             d = mx - x[base + i]
             de = d if d < cap else cap
-            e = table_exp(de)
+            e = neg_exp(de)
             e = e if d < cap else zero
             s += e
             w += e * de

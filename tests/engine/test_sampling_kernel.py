@@ -120,15 +120,30 @@ def test_kept_sets_with_ties_follow_the_definitions() -> None:
 
 
 def test_draws_equal_the_torch_path_for_the_same_uniforms() -> None:
+    """The same inverse-CDF draw as engine.sampling's torch code for the same uniform. The
+    two exps (the kernel's polynomial, torch's) differ by an ulp here and there, so a draw
+    may differ only where ``u`` falls within float rounding of a step of the CDF between
+    the two tokens (relative 2e-6 of the kept mass: a few float32 roundings of a sum of
+    ~3,000 terms), and rarely (here 1 in 4,800 draws)."""
     g = torch.Generator().manual_seed(13)
+    differing = 0
     for row, s in cases(seed=13, count=120, vocab=3000, ties=False):
         rows = row.expand(40, -1).contiguous()
         u = torch.rand(40, generator=g, dtype=torch.float64)
         kept, ids = _filter(rows, [s] * 40)
-        want = _draw(kept.softmax(dim=-1), u)
-        if ids is not None:
-            want = ids.gather(1, want.unsqueeze(1)).squeeze(1)
-        assert torch.equal(kernel_draw(rows, s, u), want), s
+        p = kept.softmax(dim=-1)
+        pos = _draw(p, u)
+        want = pos if ids is None else ids.gather(1, pos.unsqueeze(1)).squeeze(1)
+        got = kernel_draw(rows, s, u)
+        for r in (got != want).nonzero().flatten().tolist():
+            differing += 1
+            got_pos = int(got[r]) if ids is None else int((ids[r] == got[r]).nonzero()[0])
+            lo, hi = sorted((int(pos[r]), got_pos))
+            cdf = p[r].double().cumsum(0)
+            x = float(u[r]) * float(cdf[-1])
+            step = float((cdf[lo:hi] - x).abs().min())  # the steps between the two tokens
+            assert step <= 2e-6 * float(cdf[-1]), (s, r, step)
+    assert differing <= 4, differing
 
 
 def test_flat_row_whose_nucleus_exceeds_any_candidate_window() -> None:
