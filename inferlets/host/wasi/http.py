@@ -144,7 +144,7 @@ class OutgoingBody(Resource):
 
     def write(self, data: bytes) -> None:
         if self.finished:
-            raise RuntimeError("the outgoing-body is finished")
+            raise WitErr(None, "the outgoing-body is finished: its stream is closed")
         if self.sink is None:
             self.held.append(data)
         else:
