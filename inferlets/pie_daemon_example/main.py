@@ -9,6 +9,9 @@ Endpoints:
 - ``GET /echo-headers``: the request's headers as JSON;
 - ``POST /generate``: ``{"prompt": ..., "max_tokens": n}``: the model's greedy answer, streamed
   as it is generated (Pie's SDK on ``pie_loop``);
+- ``GET /wait?ms=N``: sleeps N ms (default 1000) and says how long it slept, as Pie's own
+  http-server example's ``/wait`` does (a daemon's requests run under the run limits: one
+  past its wall-clock deadline is answered 500 with why);
 - ``GET /fail``: a handler that raises before answering (the host answers 500 with why);
 - anything else: 404.
 
@@ -16,6 +19,7 @@ Built by ``pie-media inferlet build`` (a ``main.py`` defining ``IncomingHandler`
 """
 
 import json
+import time
 
 import pie_loop
 from componentize_py_types import Err, Ok
@@ -110,6 +114,13 @@ class IncomingHandler(exports.IncomingHandler):
             reply = Reply(response_out, 200, "text/plain; charset=utf-8")
             pie_loop.run(generate(prompt, max_tokens, reply))
             reply.finish()
+        elif path == "/wait" or path.startswith("/wait?"):
+            query = dict(p.split("=", 1) for p in path.partition("?")[2].split("&") if "=" in p)
+            ms = int(query.get("ms", "1000"))
+            start = time.monotonic()
+            time.sleep(ms / 1000)
+            slept = round((time.monotonic() - start) * 1000)
+            respond(response_out, 200, "text/plain", f"Slept for {slept} ms\n".encode())
         elif path == "/fail":
             raise RuntimeError("this handler fails on purpose")
         else:

@@ -34,7 +34,9 @@ MAIN = textwrap.dedent(
     '''
     """Hostile cases for pie-media's Pie-world host, one per input "case"."""
 
+    import asyncio
     import json
+    import time
 
     from componentize_py_types import Err
     from inferlet import Context, Distribution, Model, Sampler, messaging, session
@@ -239,12 +241,22 @@ MAIN = textwrap.dedent(
             x += 1
 
 
+    async def sleep(input):
+        """asyncio.sleep (the entry loop's timers) then time.sleep (WASI's clocks): how long
+        each took by the guest's own clock."""
+        t0 = time.monotonic()
+        await asyncio.sleep(input["s"])
+        t1 = time.monotonic()
+        time.sleep(input["s"])
+        return json.dumps([round((t1 - t0) * 1000), round((time.monotonic() - t1) * 1000)])
+
+
     async def memory(input):
         big = bytearray(1 << 30)
         return str(len(big))
 
 
-    CASES = {f.__name__: f for f in (good, masks, commit, destroyed, failing_call, forged, handles, launch, pull, push, receive, spin, memory)}
+    CASES = {f.__name__: f for f in (good, masks, commit, destroyed, failing_call, forged, handles, launch, pull, push, receive, spin, sleep, memory)}
 
 
     async def main(input: dict) -> str:
@@ -478,6 +490,19 @@ def test_a_wait_that_never_ends_times_out_without_spinning(rt, wasm, serving, ca
     waited, cpu = t1 - w0, c1 - c0
     assert waited > wall_s / 2
     assert cpu < 0.25 * waited, f"{cpu:.3f} s CPU over a {waited:.3f} s wait"
+
+
+def test_a_guest_sleeps_as_long_as_it_asks_without_spinning(rt, wasm, serving) -> None:
+    """asyncio.sleep (the entry loop's timers) and time.sleep (WASI's clocks) each wait the
+    time asked, by the guest's clock and by the host's, in poll: little CPU for the wall
+    time. (The guest's clock was wasmtime's, counted from the run's start, while its
+    pollables were the host's: every sleep ended at once, and the loop spun.)"""
+    t0, c0 = time.monotonic(), time.process_time()
+    slept = json.loads(run(rt, wasm, "sleep", s=0.4))
+    wall, cpu = time.monotonic() - t0, time.process_time() - c0
+    assert all(400 <= ms < 2000 for ms in slept), slept
+    assert wall >= 0.8
+    assert cpu < 0.5 * wall, (cpu, wall)
 
 
 def test_fuel_exhaustion_traps(rt, wasm, serving) -> None:

@@ -185,7 +185,7 @@ def test_a_daemon_runs_as_its_launcher(tmp_path: Path, built: Path) -> None:
     keys.write_text(
         '[[keys]]\nname = "alice"\nkey = "sk-alice-0123456789"\n[[keys]]\nname = "bob"\nkey = "sk-bob-0123456789"\n'
     )
-    a = start_app(tmp_path, api_key_file=keys)
+    a = start_app(tmp_path, api_key_file=keys, inferlet_wall_s=3)
     port = free_port()
 
     async def go() -> None:
@@ -203,6 +203,15 @@ def test_a_daemon_runs_as_its_launcher(tmp_path: Path, built: Path) -> None:
         wait_for_port(port)
         home = httpx.get(f"http://127.0.0.1:{port}/", timeout=T)
         assert home.text == "Hello from a Pie daemon inferlet on pie-media, alice. Models: \n"
+        waited = httpx.get(f"http://127.0.0.1:{port}/wait?ms=200", timeout=T)
+        # the guest's time.sleep waits as long as asked (its clock is the host's)
+        assert waited.status_code == 200 and 200 <= int(waited.text.split()[2]) < 5000, waited.text
+        # a request runs under the server's run limits: past its 3 s wall clock, a 500 that says so
+        t0 = time.monotonic()
+        stuck = httpx.get(f"http://127.0.0.1:{port}/wait?ms=60000", timeout=T)
+        assert stuck.status_code == 500 and "deadline" in stuck.text, stuck.text
+        assert time.monotonic() - t0 < 20
+        assert httpx.get(f"http://127.0.0.1:{port}/", timeout=T).status_code == 200
     finally:
         stop_app(a)
     with pytest.raises(httpx.TransportError):  # the daemon stopped with its server
