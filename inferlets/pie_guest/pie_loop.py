@@ -59,11 +59,12 @@ class PiePollLoop(asyncio.AbstractEventLoop):
         for h in ready:
             if not h._cancelled:
                 h._run()
-        now = self.time()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, h = heapq.heappop(self._timers)
-            if not h._cancelled:
-                self._ready.append(h)
+        if self._timers:  # the clock is a host call: read it only when a timer waits
+            now = self.time()
+            while self._timers and self._timers[0][0] <= now:
+                _, _, h = heapq.heappop(self._timers)
+                if not h._cancelled:
+                    self._ready.append(h)
         if self._ready:
             return
         pollables = [p for p, _ in self.wakers]
