@@ -392,4 +392,9 @@ def run_export(
             fidx = instance.get_export_index(store, "run", idx)
             if fidx is not None:
                 return instance.get_func(store, fidx)
+    if is_daemon(engine, comp):
+        raise InvalidComponentError(
+            "this component is a daemon (it exports wasi:http/incoming-handler, not a run "
+            "function): serve it with launch_daemon"
+        )
     raise InvalidComponentError("the component exports no <package>/run interface with a run function")

@@ -23,6 +23,8 @@ from tests.api.http.test_pie_protocol_relay import App, start_app, stop_app
 pie_client = pytest.importorskip("pie_client")
 from pie_client import PieClient  # noqa: E402
 
+from tests.api.http.pie_events import recv_all  # noqa: E402
+
 DAEMON_DIR = Path(__file__).resolve().parents[3] / "inferlets" / "pie_daemon_example"
 DAEMON = "http-daemon@0.1.0"
 T = 120
@@ -170,6 +172,12 @@ def test_launch_errors_are_answered_and_the_server_goes_on(srv: App, tmp_path: P
                 await c.launch_daemon(DAEMON, 70000)
             with pytest.raises(Exception, match="not installed"):
                 await c.launch_daemon("nothing@1.0.0", free_port())
+            p = await c.launch_process(DAEMON, {})  # a daemon launched as a process: told what it is
+            assert (await recv_all(p, T))[-1] == (
+                "error",
+                "invalid_inferlet: this component is a daemon (it exports wasi:http/incoming-handler, not a run "
+                "function): serve it with launch_daemon",
+            )
             await c.ping()  # the connection still answers
 
     try:
