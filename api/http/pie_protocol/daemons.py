@@ -8,6 +8,9 @@ signal handlers). Each request's body is read whole, up to the server's componen
 limit, as Pie buffers it. Then the guest runs on the inferlet host's worker threads, with
 engine calls on the server's loop. The response streams back as the guest writes it.
 
+``GET /v1/pie/daemons`` lists a tenant's daemons and ``DELETE /v1/pie/daemons/{port}`` stops
+one (``api/http/routes/pie_daemons.py``; Pie's protocol has no message for either).
+
 A daemon runs as its launcher: the tenant's programs, saved contexts and cache scope, under
 the server's run limits per request; each request counts against the launcher's key limits
 (a request, a stream slot while it runs, the tokens it generates), past them a 429. It lives until the server stops; ``DaemonTable.close``
@@ -124,6 +127,25 @@ class DaemonTable:
             self._by_port[port] = daemon
         daemon.thread.start()
         log.info("daemon %s serving on http://127.0.0.1:%d/ for %r", program, port, tenant)
+        return daemon
+
+    def of_tenant(self, tenant: str) -> list[Daemon]:
+        """The daemons ``tenant``'s callers launched, by port."""
+        with self._lock:
+            return sorted((d for d in self._by_port.values() if d.tenant == tenant), key=lambda d: d.port)
+
+    def stop(self, port: int, tenant: str, timeout_s: float = 5.0) -> Daemon | None:
+        """Stop the daemon on ``port`` if ``tenant`` launched it (its port is free again; a
+        request in flight ends with it); None when there is no such daemon of the tenant's."""
+        with self._lock:
+            daemon = self._by_port.get(port)
+            if daemon is None or daemon.tenant != tenant:
+                return None
+            del self._by_port[port]
+        daemon.server.should_exit = True
+        if daemon.thread is not None:
+            daemon.thread.join(timeout_s)
+        log.info("daemon %s on port %d stopped", daemon.program, port)
         return daemon
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -12,6 +12,7 @@ from api.http.routes import (
     jobs,
     media,
     models,
+    pie_daemons,
     pie_programs,
     responses,
     speech,
@@ -34,5 +35,6 @@ ROUTERS = [
     embeddings.router,
     inferlets.router,
     pie_programs.router,
+    pie_daemons.router,
     tokenize.router,
 ]

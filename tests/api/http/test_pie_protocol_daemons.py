@@ -220,6 +220,27 @@ def test_a_daemon_runs_as_its_launcher(tmp_path: Path, built: Path) -> None:
         assert stuck.status_code == 500 and "deadline" in stuck.text, stuck.text
         assert time.monotonic() - t0 < 20
         assert httpx.get(f"http://127.0.0.1:{port}/", timeout=T).status_code == 200
+
+        alice = {"Authorization": "Bearer sk-alice-0123456789"}
+        bob = {"Authorization": "Bearer sk-bob-0123456789"}
+        listed = httpx.get(f"{a.url}/v1/pie/daemons", headers=alice, timeout=T).json()["data"]
+        assert [(d["id"], d["port"], d["program"]) for d in listed] == [(f"daemon-{port}", port, DAEMON)]
+        assert listed[0]["requests"] == 4  # /, /wait twice (one past its deadline), / again
+        assert httpx.get(f"{a.url}/v1/pie/daemons", headers=bob, timeout=T).json()["data"] == []
+        assert httpx.delete(f"{a.url}/v1/pie/daemons/{port}", headers=bob, timeout=T).status_code == 404
+        stopped = httpx.delete(f"{a.url}/v1/pie/daemons/{port}", headers=alice, timeout=T)
+        assert stopped.json() == {"id": f"daemon-{port}", "object": "pie.daemon", "deleted": True}
+        with pytest.raises(httpx.TransportError):  # its port is closed
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+        assert httpx.get(f"{a.url}/v1/pie/daemons", headers=alice, timeout=T).json()["data"] == []
+
+        async def again() -> None:
+            async with PieClient(a.ws) as c:
+                await c.auth_by_token("sk-alice-0123456789")
+                await c.launch_daemon(DAEMON, port)  # the port is free again
+
+        run(again())
+        wait_for_port(port)
     finally:
         stop_app(a)
     with pytest.raises(httpx.TransportError):  # the daemon stopped with its server
