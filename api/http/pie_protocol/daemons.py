@@ -49,6 +49,7 @@ class Daemon:
     username: str
     started: float = field(default_factory=time.time)
     requests: int = 0
+    in_flight: int = 0
     server: Any = None
     thread: threading.Thread | None = None
 
@@ -192,6 +193,7 @@ async def _serve_request(
         await _plain(send, 429, f"{e.code}: {e.message}\n")
         return
     daemon.requests += 1
+    daemon.in_flight += 1
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any, Any]] = asyncio.Queue()
 
@@ -218,12 +220,27 @@ async def _serve_request(
         done = loop.run_in_executor(runtime.threads, serve)
     except BaseException:
         admitted(0)
+        daemon.in_flight -= 1
         raise
-    done.add_done_callback(lambda _f: admitted(control.tokens_used))
-    started = False
+
+    def ended(_f: Any) -> None:
+        admitted(control.tokens_used)
+        daemon.in_flight -= 1
+
+    done.add_done_callback(ended)
+    # the client's leaving (http.disconnect, which uvicorn gives once the body is read)
+    # stops the guest; without this watch its answer would go on into the void
+    left = asyncio.ensure_future(_disconnect(receive))
+    started = answered = False
     try:
         while True:
-            kind, a, b = await events.get()
+            got = asyncio.ensure_future(events.get())
+            await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not got.done():
+                got.cancel()
+                log.info("daemon %s: the client left; its request stops", daemon.program)
+                return
+            kind, a, b = got.result()
             if kind == "head":
                 started = True
                 await send(
@@ -244,14 +261,23 @@ async def _serve_request(
                         return
                     raise RuntimeError(f"the daemon's response failed: {a}")  # uvicorn drops the connection
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+                answered = True
                 return
     finally:
-        if not done.done():
-            control.cancel()
+        left.cancel()
+        if not answered and not done.done():
+            control.cancel()  # the client left, or the response failed: the guest stops
+        # answered, the guest may go on working (wasi:http lets it), within its run limits
         try:
             await done
         except Exception:  # noqa: BLE001 - told to the client above; the server goes on
             log.debug("daemon %s request ended with an error", daemon.program, exc_info=True)
+
+
+async def _disconnect(receive: Any) -> None:
+    """Returns when the client has gone."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _plain(send: Any, status: int, text: str) -> None:

@@ -33,7 +33,9 @@ class PieDaemonObject(BaseModel):
     program: str
     """``name@version``, as launched."""
     requests: int
-    """Requests it has served (each with a fresh instance)."""
+    """Requests it has taken (each with a fresh instance)."""
+    in_flight: int
+    """Requests being answered now."""
     created_at: int
 
 
@@ -50,7 +52,12 @@ class PieDaemonStopped(BaseModel):
 
 def _object(d: Daemon) -> PieDaemonObject:
     return PieDaemonObject(
-        id=f"daemon-{d.port}", port=d.port, program=d.program, requests=d.requests, created_at=int(d.started)
+        id=f"daemon-{d.port}",
+        port=d.port,
+        program=d.program,
+        requests=d.requests,
+        in_flight=d.in_flight,
+        created_at=int(d.started),
     )
 
 

@@ -245,3 +245,24 @@ def test_a_daemon_runs_as_its_launcher(tmp_path: Path, built: Path) -> None:
         stop_app(a)
     with pytest.raises(httpx.TransportError):  # the daemon stopped with its server
         httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+
+
+def test_a_client_that_leaves_stops_the_guest(srv: App) -> None:
+    """A client that hangs up (here: its 0.5 s timeout over a 20 s /wait) stops the guest
+    answering it (cancelled, it ends at its next host call or in the poll it sleeps in):
+    the daemon has no request in flight soon after, not 20 s later."""
+    port = free_port()
+    run(launch(srv, port))
+    wait_for_port(port)
+
+    def in_flight() -> int:
+        daemons = httpx.get(f"{srv.url}/v1/pie/daemons", timeout=T).json()["data"]
+        return next(d["in_flight"] for d in daemons if d["port"] == port)
+
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.get(f"http://127.0.0.1:{port}/wait?ms=20000", timeout=0.5)
+    left = time.monotonic()
+    while in_flight():
+        assert time.monotonic() - left < 8, "the guest went on after its client left"
+        time.sleep(0.05)
+    assert httpx.get(f"http://127.0.0.1:{port}/", timeout=T).status_code == 200
