@@ -413,21 +413,29 @@ class InferletRuntime:
         store = self._store(state.limits)
         wasi = wasmtime.WasiConfig()
         capture: OutputCapture | None = None
-        if state.on_output is not None:
-            if output_capture.available():
-                capture = OutputCapture(state.output)
-                capture.configure(wasi)
-                state.output_source = capture.drain
-            else:
-                wasi.stdout_custom = _output_writer("stdout", state.output)
-                wasi.stderr_custom = _output_writer("stderr", state.output)
-        store.set_wasi(wasi)
+        try:
+            if state.on_output is not None:
+                if output_capture.available():
+                    capture = OutputCapture(state.output)
+                    capture.configure(wasi)
+                    state.output_source = capture.drain
+                else:
+                    wasi.stdout_custom = _output_writer("stdout", state.output)
+                    wasi.stderr_custom = _output_writer("stderr", state.output)
+            store.set_wasi(wasi)
+            linker = self._linker(state, comp)
+        except BaseException:
+            if capture is not None:
+                capture.close()
+            host.close()
+            store.close()
+            raise
         try:
             out = self._instantiate_and_run(
                 state,
                 host,
                 store,
-                self._linker(state, comp),
+                linker,
                 comp,
                 "this host's world (pie:media/inferlet)",
                 self._legacy_run,

@@ -264,10 +264,11 @@ def _retry_after_and_real_wait(server: Server) -> tuple[int, float, int, float]:
 def test_retry_after_is_the_real_wait_within_a_second(strict: Server) -> None:
     """Retry-After against the wait measured in the same run. The estimate reads the pace of
     the running frames; another process on a shared machine can halve or double that pace
-    within seconds, which no estimate foresees: a measure is taken again (up to three times)
-    when it missed, and one must hit."""
+    within seconds, which no estimate foresees: a measure is taken again (up to five times;
+    three all missed once in a clean clone's CI, while the other worker's tests loaded the
+    machine) when it missed, and one must hit."""
     tries = []
-    for _ in range(3):
+    for _ in range(5):
         retry_after, real_wait, frames, per_frame = _retry_after_and_real_wait(strict)
         tries.append((retry_after, round(real_wait, 2), frames, round(per_frame * 1e3, 1)))
         if abs(retry_after - real_wait) <= 1.0 and retry_after >= 2:  # (>= 2: not the floor by luck)
