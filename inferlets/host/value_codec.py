@@ -306,6 +306,17 @@ _raw_host_type = _raw("wasmtime_component_resource_host_type", ctypes.c_uint32, 
 _raw_host_delete = _raw("wasmtime_component_resource_host_delete", None, _VP)
 
 
+def _context(store: Any) -> int:
+    """The store context's address (``StoreContext._context()`` is a ctypes pointer)."""
+    return _VP.from_buffer(store._context()).value
+
+
+def _check(err: int | None) -> None:
+    """Raise the ``WasmtimeError`` a plain-address C call returned, if any."""
+    if err:
+        raise WasmtimeError._from_ptr(ctypes.cast(err, ctypes.POINTER(bindings.wasmtime_error_t)))
+
+
 class RawHandle:
     """A resource handle a host function's parameter passed in (``own`` or ``borrow``), kept
     as its bare address: ``host_handle`` reads (rep, type) with plain-address C calls, and
@@ -329,9 +340,7 @@ class RawHandle:
         ptr, self.ptr = self.ptr, 0
         try:
             host = _VP()
-            err = _raw_any_to_host(_VP.from_buffer(store._context()).value, ptr, _byref(host))
-            if err:
-                raise WasmtimeError._from_ptr(ctypes.cast(err, ctypes.POINTER(bindings.wasmtime_error_t)))
+            _check(_raw_any_to_host(_context(store), ptr, _byref(host)))
             try:
                 return _raw_host_rep(host), _raw_host_type(host)
             finally:
@@ -343,9 +352,7 @@ class RawHandle:
         """Run the resource's destructor (one of wasmtime's own), then free the handle."""
         ptr, self.ptr = self.ptr, 0
         try:
-            err = _raw_any_drop(_VP.from_buffer(store._context()).value, ptr)
-            if err:
-                raise WasmtimeError._from_ptr(ctypes.cast(err, ctypes.POINTER(bindings.wasmtime_error_t)))
+            _check(_raw_any_drop(_context(store), ptr))
         finally:
             _raw_any_delete(ptr)
 
@@ -398,6 +405,15 @@ def _lower_borrow(store: Any, v: Any, val: Any) -> None:
 
 
 # -- lists, records, tuples ------------------------------------------------------------------
+
+
+def _abandon(raw: Any, done: int, n: int, delete: Any) -> None:
+    """A list or tuple whose lowering failed after ``done`` of its ``n`` values: the rest
+    are cleared (their memory was never set) and the whole freed."""
+    data = raw.data
+    for j in range(done, n):
+        _clear(data[j])
+    delete(_byref(raw))
 
 
 def _clear(val: Any) -> None:
@@ -469,10 +485,7 @@ def _list(ty: Any) -> ValueCodec:
                     el_lower(store, x, data[done])
                     done += 1
         except BaseException:
-            data = raw.data
-            for j in range(done, n):
-                _clear(data[j])
-            _list_delete(_byref(raw))
+            _abandon(raw, done, n, _list_delete)
             raise
         val.kind = LIST
         val.of.list = raw
@@ -550,9 +563,7 @@ def _tuple(ty: Any) -> ValueCodec:
                 c.lower(store, x, data[done])
                 done += 1
         except BaseException:
-            for j in range(done, n):
-                _clear(data[j])
-            _tuple_delete(_byref(raw))
+            _abandon(raw, done, n, _tuple_delete)
             raise
         val.kind = TUPLE
         val.of.tuple = raw

@@ -137,6 +137,7 @@ class OutgoingBody(Resource):
     WIT = ("wasi:http/types", "outgoing-body")
 
     def __init__(self) -> None:
+        self.exchange: HttpExchange | None = None  # set when the response is sent
         self.sink: Callable[[bytes], None] | None = None  # set when the response is sent
         self.held: list[bytes] = []  # written before the response was set
         self.stream_taken = False
@@ -359,9 +360,8 @@ class HttpTypes(Interface):
     @wit("[static]outgoing-body.finish")
     def outgoing_finish(self, b: OutgoingBody, trailers: Fields | None) -> None:
         b.finished = True
-        exchange = getattr(b, "exchange", None)
-        if exchange is not None:
-            exchange.end(None)
+        if b.exchange is not None:
+            b.exchange.end(None)
 
     # response-outparam
     @wit("[static]response-outparam.set")
@@ -380,7 +380,7 @@ class HttpTypes(Interface):
         ex.on_head(r.status, headers)
         if r.body is None:
             r.body = OutgoingBody()
-        r.body.exchange = ex  # type: ignore[attr-defined]
+        r.body.exchange = ex
         r.body.connect(ex.on_body)
         if r.body.finished:
             ex.end(None)
