@@ -691,23 +691,15 @@ class Context(WorkingPages):
         staged pass is dropped (a miss) and the call runs as usual. Tokens are the same
         either way."""
         self._check_open()
-        if self._busy:
-            raise InvalidRequestError(
-                "cannot run a forward pass while one of this context runs; await it first"
-            )
+        self._check_not_busy()
         if self._staged is not None:
             if self._staged_fits(rows, mask, out_rows, hidden_rows, adapters, sample):
                 return await self._run_staged(rows, stage)
             staged, self._staged = self._staged, None
             self.model.counters.staged_misses += 1
             await self._drop_ahead(staged.submitted)
-        if self.pending:
-            raise InvalidRequestError(
-                f"the context has {self.pending} filled rows not computed yet: flush() them first, or put "
-                "them in the pass as input tokens"
-            )
+        self._check_pass_ready(len(rows))
         start, end = self._n, self._n + len(rows)
-        self._check_room(len(rows))
         with self._guard():
             salt = self.adapters.identity()
             if adapters:
@@ -741,6 +733,25 @@ class Context(WorkingPages):
         last = out_rows and out_rows[-1] == len(rows) - 1 and logits is not None
         self._computed(rows, logits[-1] if last else None)
         return logits, hidden, None
+
+    def _check_not_busy(self) -> None:
+        if self._busy:
+            raise InvalidRequestError(
+                "cannot run a forward pass while one of this context runs; await it first"
+            )
+
+    def _check_pass_ready(self, n_rows: int) -> None:
+        """What ``_run_pass`` refuses before a pass of ``n_rows`` rows joins the batch (its
+        context's state, not the pass's inputs): closed, a pass running, filled rows not
+        computed, no room left."""
+        self._check_open()
+        self._check_not_busy()
+        if self.pending:
+            raise InvalidRequestError(
+                f"the context has {self.pending} filled rows not computed yet: flush() them first, or put "
+                "them in the pass as input tokens"
+            )
+        self._check_room(n_rows)
 
     def _computed(self, rows: list[Row], last_logits: torch.Tensor | None) -> None:
         """A hand-built pass's ``rows`` were computed: they join the context's K/V rows;

@@ -143,6 +143,21 @@ class PassOutput:
         return [s.token for s in self.slots if isinstance(s, SlotToken)]
 
 
+@dataclass
+class _Plan:
+    """A pass as ``execute`` runs it: its rows (inputs, then drafts), the count of inputs,
+    the verifying slot's index, the masks decoded, and the rows whose logits / hidden
+    states it reads (sorted, each once)."""
+
+    rows: list[Any]
+    n_in: int
+    verify: int | None
+    mask: torch.Tensor | None
+    logit_mask: torch.Tensor | None
+    logit_rows: list[int]
+    hidden_rows: list[int]
+
+
 class ForwardPass:
     """One hand-built forward pass of a context (see the module doc). Build it, execute it
     once. Inputs are checked as they are attached where they can be, the rest at
@@ -277,10 +292,20 @@ class ForwardPass:
         return self
 
     # -- running ----------------------------------------------------------------------------
-    async def execute(self) -> PassOutput:
-        """Run the pass (batched with every other context's) and answer its slots."""
+    def check(self) -> None:
+        """Every check ``execute`` makes before the pass joins the batch, without running
+        it: for a host that hands the pass to the event loop from another thread and will
+        not wait for the loop to hear of a bad pass (the Pie world's ``execute``,
+        inferlets/host/pie_core/inference.py). The context must not change between this and
+        ``execute`` (no pass of it running), or ``execute`` may still refuse it."""
         self._open()
-        self._executed = True
+        if self._one_token_slot() is None:
+            self._plan()
+        self._ctx._check_pass_ready(self.num_rows)
+
+    def _one_token_slot(self) -> Slot | None:
+        """The slot of the common pass (one token drawn from the last input row, nothing
+        else asked), which ``_one_token`` serves; None for any other pass."""
         if len(self._slots) == 1 and not (
             self._drafts
             or self._mask is not None
@@ -290,8 +315,12 @@ class ForwardPass:
         ):
             row, slot = self._slots[0]
             if slot.kind == "token" and row == len(self._inputs) - 1:
-                return await self._one_token(slot)
-        ctx, rows = self._ctx, self._inputs + self._drafts
+                return slot
+        return None
+
+    def _plan(self) -> _Plan:
+        """The pass's rows, masks and the rows it reads, every one checked."""
+        rows = self._inputs + self._drafts
         if not rows:
             raise ForwardPassError("this pass has no input rows; attach input_tokens() (or media) first")
         n_in = len(self._inputs)
@@ -301,8 +330,7 @@ class ForwardPass:
                     f"a sampler reads row {r}; this pass has {len(rows)} rows (0..{len(rows) - 1})"
                 )
         verify = self._verifier(n_in)
-        kv_len = ctx.committed + len(rows)
-        mask = self._attention(len(rows), kv_len)
+        mask = self._attention(len(rows), self._ctx.committed + len(rows))
         logit_mask = self._vocab_mask()
         # Rows whose logits / hidden states the pass returns: sorted, each once.
         logit_rows = sorted(
@@ -310,6 +338,19 @@ class ForwardPass:
             | (set(range(n_in - 1, len(rows))) if verify is not None else set())
         )
         hidden_rows = sorted({r for r, s in self._slots if s.kind == "embedding"})
+        return _Plan(rows, n_in, verify, mask, logit_mask, logit_rows, hidden_rows)
+
+    async def execute(self) -> PassOutput:
+        """Run the pass (batched with every other context's) and answer its slots."""
+        self._open()
+        self._executed = True
+        one = self._one_token_slot()
+        if one is not None:
+            return await self._one_token(one)
+        ctx = self._ctx
+        plan = self._plan()
+        rows, n_in, verify, mask, logit_mask = plan.rows, plan.n_in, plan.verify, plan.mask, plan.logit_mask
+        logit_rows, hidden_rows = plan.logit_rows, plan.hidden_rows
         adapters = (self._adapter,) if self._adapter is not None else ()
         start = ctx.committed
         requests = [SlotRequest(r, s, self._slot_generator(s)) for r, s in self._slots]

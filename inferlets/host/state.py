@@ -181,6 +181,29 @@ class RunState:
                     fut.cancel()
                     raise
 
+    def start_soon(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        """Start ``coro`` on the loop and return at once: the future is its outcome. One
+        thread hop less than ``wait_for`` (the caller does not wait for the loop to pick it
+        up), for work whose errors were checked on this thread first. Cancelling the future
+        does not stop the coroutine (it would leave its context half-changed); the run's
+        end does (its contexts close)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        out.set_running_or_notify_cancel()
+
+        def done(t: asyncio.Future) -> None:
+            if t.cancelled():
+                out.set_exception(concurrent.futures.CancelledError("cancelled before it ended"))
+            elif t.exception() is not None:
+                out.set_exception(t.exception())
+            else:
+                out.set_result(t.result())
+
+        def start() -> None:
+            self.loop.create_task(coro).add_done_callback(done)
+
+        self.loop.call_soon_threadsafe(start)
+        return out
+
     def on_loop(self, fn: Callable[..., Any], *a: Any, bounded: bool = True) -> Any:
         """Call the synchronous ``fn`` on the loop's thread (engine state is not shared
         across threads) and return its result."""

@@ -27,7 +27,7 @@ from engine import (
     WorkingPageError,
     brle,
 )
-from media import Image
+from media import Image, InvalidRequestError
 from tests.engine.conftest import TINY_GEMMA, TINY_QWEN, assert_logits_close, reference_logits
 
 PROMPT = "Hello there, tell me a long story about a cat who lives in a small village near the sea."
@@ -411,6 +411,8 @@ def test_bad_passes_get_typed_errors_and_leave_the_context_usable(qwen, gemma, t
         kv = ctx.committed + 2
 
         async def refused(build, error):
+            with pytest.raises(error):  # check() refuses what execute() does, running nothing
+                build(ctx.forward()).check()
             fp = build(ctx.forward())
             with pytest.raises(error) as info:
                 await fp.execute()
@@ -429,6 +431,8 @@ def test_bad_passes_get_typed_errors_and_leave_the_context_usable(qwen, gemma, t
         fp = ctx.forward().input_tokens([1, 2])
         fp.sampler([2], Slot.greedy())
         with pytest.raises(ForwardPassError, match="reads row 2"):
+            fp.check()
+        with pytest.raises(ForwardPassError, match="reads row 2"):
             await fp.execute()
         await refused(lambda fp: fp.input_tokens([1]).logit_mask([0, 5]), BrleError)
         with pytest.raises(WorkingPageError):
@@ -443,9 +447,19 @@ def test_bad_passes_get_typed_errors_and_leave_the_context_usable(qwen, gemma, t
         with pytest.raises(ForwardPassError):
             ctx.forward().input_tokens([model.arch.vocab_size])
         with pytest.raises(ContextLengthExceededError):
+            ctx.forward().input_tokens([1] * (limit + 1), [0] * (limit + 1)).check()
+        with pytest.raises(ContextLengthExceededError):
             await ctx.forward().input_tokens([1] * (limit + 1), [0] * (limit + 1)).execute()
         fp = ctx.forward().input_tokens([1])
-        await fp.execute()
+        fp.check()  # a good pass passes, and check() runs nothing: the context is as it was
+        assert (ctx.committed, list(ctx.token_ids)) == before[:2]
+        running = asyncio.ensure_future(fp.execute())
+        await asyncio.sleep(0)
+        with pytest.raises(InvalidRequestError, match="await it first"):  # one pass at a time
+            ctx.forward().input_tokens([2]).check()
+        await running
+        with pytest.raises(ForwardPassError, match="was executed"):
+            fp.check()
         with pytest.raises(ForwardPassError, match="was executed"):
             await fp.execute()
         # still usable
@@ -453,6 +467,8 @@ def test_bad_passes_get_typed_errors_and_leave_the_context_usable(qwen, gemma, t
         h = fp.sampler([0], Slot.greedy())
         assert isinstance((await fp.execute())[h], SlotToken)
         ctx.close()
+        with pytest.raises(ContextClosedError):
+            ctx.forward().input_tokens([1]).check()
         with pytest.raises(ContextClosedError):
             await ctx.forward().input_tokens([1]).execute()
 

@@ -142,6 +142,28 @@ MAIN = textwrap.dedent(
         return json.dumps({"pages": pages, "pages_after": pages_after, "errors": errors, "after": after, "fresh": fresh})
 
 
+    async def overlapping(input):
+        """A second pass on a context executed while its first runs: execute's error; the
+        first answers as a lone pass does."""
+        model = Model.load("tiny")
+        prompt = model.tokenizer().encode("The quick brown fox jumps over")
+        ctx = await prefilled(model, "The quick brown fox jumps over")
+        n = ctx.seq_len
+
+        def execute(tokens, at):
+            fwd = _inf.ForwardPass(model._handle)
+            fwd.context(ctx._handle)
+            fwd.input_tokens(tokens, list(range(at, at + len(tokens))))
+            fwd.sampler([len(tokens) - 1], Sampler.argmax()._variant)
+            return fwd.execute()
+
+        first = execute(prompt[:2], n)
+        second = attempt(lambda: execute(prompt[2:3], n + 2))
+        out = await await_future(first, "the first pass failed")
+        fresh = await greedy(model, prompt + prompt[:2], 1)
+        return json.dumps({"second": second, "first": out.slots[0].value, "fresh": fresh[0]})
+
+
     async def destroyed(input):
         """A context used after ``destroy``: every call with a ``result`` fails with the
         host's error, the run's other contexts work on."""
@@ -256,7 +278,7 @@ MAIN = textwrap.dedent(
         return str(len(big))
 
 
-    CASES = {f.__name__: f for f in (good, masks, commit, destroyed, failing_call, forged, handles, launch, pull, push, receive, spin, sleep, memory)}
+    CASES = {f.__name__: f for f in (good, masks, commit, overlapping, destroyed, failing_call, forged, handles, launch, pull, push, receive, spin, sleep, memory)}
 
 
     async def main(input: dict) -> str:
@@ -345,6 +367,14 @@ def test_committing_more_working_pages_than_are_full_is_refused(rt, wasm, servin
     assert "cannot commit 1 working pages: 0 are full" in out["errors"]["not_full"]
     assert out["pages_after"] == out["pages"][1:]
     same_continuation(out["after"], out["fresh"])
+
+
+def test_a_pass_executed_while_another_of_its_context_runs_is_refused(rt, wasm, serving) -> None:
+    """The first pass is handed to the loop without waiting for it (a quiet context); the
+    second, on the same context before the first answers, must still be execute's error."""
+    out = json.loads(run(rt, wasm, "overlapping"))
+    assert "await it first" in out["second"], out["second"]
+    assert out["first"] == out["fresh"]
 
 
 def test_a_destroyed_context_used_again(rt, wasm, serving) -> None:

@@ -26,6 +26,14 @@ class ContextRes(Resource):
         self.model_res = model
         self.ctx = ctx
         self.bid = 0.0
+        self.running: Any = None
+        """The future of this context's last forward pass (``inference.execute``)."""
+
+    def quiet(self) -> bool:
+        """No forward pass of this context is running or waiting for the loop, so its
+        state holds still for a check made off the loop."""
+        running = self.running
+        return (running is None or running.done()) and not self.ctx.busy
 
     def close(self) -> None:
         ctx, self.ctx = self.ctx, None
