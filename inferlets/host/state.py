@@ -190,18 +190,18 @@ class RunState:
         out: concurrent.futures.Future = concurrent.futures.Future()
         out.set_running_or_notify_cancel()
 
-        def done(t: asyncio.Future) -> None:
-            if t.cancelled():
+        async def run() -> None:
+            # The outcome is handed on from inside the task, not from a done-callback: that
+            # would take one more turn of the loop before the guest wakes.
+            try:
+                out.set_result(await coro)
+            except asyncio.CancelledError:
                 out.set_exception(concurrent.futures.CancelledError("cancelled before it ended"))
-            elif t.exception() is not None:
-                out.set_exception(t.exception())
-            else:
-                out.set_result(t.result())
+                raise
+            except BaseException as e:
+                out.set_exception(e)
 
-        def start() -> None:
-            self.loop.create_task(coro).add_done_callback(done)
-
-        self.loop.call_soon_threadsafe(start)
+        self.loop.call_soon_threadsafe(self.loop.create_task, run())
         return out
 
     def on_loop(self, fn: Callable[..., Any], *a: Any, bounded: bool = True) -> Any:
