@@ -50,6 +50,7 @@ from engine.penalties import Penalties, PenaltyState
 from engine.scheduler import SKIPPED
 from engine.step_timing import start as _phase_start
 from engine.step_timing import stop as _phase_stop
+from engine.step_timing import stop_at as _phase_stop_at
 from engine.tool_calls import tool_call_format
 from engine.working_pages import WorkingPages
 from media import check_int
@@ -690,11 +691,12 @@ class Context(WorkingPages):
         is exactly that pass it awaits the staged one instead of queueing (a hit), else the
         staged pass is dropped (a miss) and the call runs as usual. Tokens are the same
         either way."""
+        t_call = _phase_start()
         self._check_open()
         self._check_not_busy()
         if self._staged is not None:
             if self._staged_fits(rows, mask, out_rows, hidden_rows, adapters, sample):
-                return await self._run_staged(rows, stage)
+                return await self._run_staged(rows, stage, t_call)
             staged, self._staged = self._staged, None
             self.model.counters.staged_misses += 1
             await self._drop_ahead(staged.submitted)
@@ -726,6 +728,7 @@ class Context(WorkingPages):
                 del self._rows[start:]  # their K/V were never (all) written
                 self._unstage()
                 raise
+        _phase_stop_at("queue: a hand-built pass, execute to its pass's start", t_call, step.started)
         if last_only:
             self._computed(rows, result)
             return result.unsqueeze(0), None, step.sampled
@@ -805,9 +808,12 @@ class Context(WorkingPages):
             and sample.sampler == step.sample.sampler
         )
 
-    async def _run_staged(self, rows: list[Row], stage: bool) -> tuple[torch.Tensor, None, int | None]:
+    async def _run_staged(
+        self, rows: list[Row], stage: bool, t_call: float = 0.0
+    ) -> tuple[torch.Tensor, None, int | None]:
         """``_run_pass`` of the staged pass: its row joins the context, the result is the
-        staged step's (staging the one after it first, when asked)."""
+        staged step's (staging the one after it first, when asked). ``t_call``: when the
+        pass was asked for (``engine.step_timing``'s queueing time)."""
         staged, self._staged = self._staged, None
         assert staged is not None
         step, start = staged.submitted.step, self._n
@@ -826,6 +832,9 @@ class Context(WorkingPages):
             self._unstage()
             return await self._run_pass(rows, mask=None, out_rows=(0,), hidden_rows=(), sample=step.sample)
         self.model.counters.staged_hits += 1
+        _phase_stop_at(
+            "queue: a hand-built pass, execute to its pass's start (staged hit)", t_call, step.started
+        )
         self._computed(rows, result)
         return result.unsqueeze(0), None, step.sampled
 

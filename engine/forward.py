@@ -111,6 +111,9 @@ class StepInput:
     sampled (``sampled``, else ``argmax`` for a greedy step without a sample request)."""
     dispatched: bool = False
     """Set by the scheduler when the step's pass is handed to the forward worker."""
+    started: float = 0.0
+    """``time.perf_counter()`` when the worker began the step's pass, while
+    ``engine.step_timing`` records (else 0.0): a hand-built pass's queueing time."""
     skipped: bool = False
     """Set by the scheduler when ``after`` gave no token (its pass failed or its row could
     not be sampled): the step was not run and its result is ``engine.scheduler.SKIPPED``."""

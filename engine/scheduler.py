@@ -156,6 +156,10 @@ class Scheduler:
 
     def _run(self, steps: list[StepInput]) -> list[torch.Tensor | None]:
         with self._lock:
+            if step_timing.TIMING.on:
+                began = time.perf_counter()
+                for step in steps:
+                    step.started = began
             self._unqueue(steps)
             launched = self._prelaunched.pop(id(steps), None)
             if launched is None:

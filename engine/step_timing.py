@@ -79,3 +79,10 @@ def start() -> float:
 def stop(name: str, t0: float) -> None:
     if t0:
         TIMING.add(name, time.perf_counter() - t0)
+
+
+def stop_at(name: str, t0: float, end: float) -> None:
+    """Record the phase from ``t0`` to ``end`` (another thread's time), never below zero: a
+    pass the worker began before it was asked for (a staged one) waited none."""
+    if t0 and end:
+        TIMING.add(name, max(0.0, end - t0))

@@ -26,6 +26,7 @@ from engine import (
     SlotToken,
     WorkingPageError,
     brle,
+    step_timing,
 )
 from media import Image, InvalidRequestError
 from tests.engine.conftest import TINY_GEMMA, TINY_QWEN, assert_logits_close, reference_logits
@@ -548,20 +549,28 @@ def test_staged_passes_hit_and_give_the_same_tokens(qwen):
         c = model.counters
         plain = await _decode_by_hand(model, ids, steps, speculate=False)
         hits, misses, queued = c.staged_hits, c.staged_misses, model.scheduler.stats.steps
-        staged = await _decode_by_hand(model, ids, steps, speculate=True)
+        with step_timing.TIMING.recording() as timing:
+            staged = await _decode_by_hand(model, ids, steps, speculate=True)
+            waits = dict(timing.counts), dict(timing.seconds)
         return (
             plain,
             staged,
             c.staged_hits - hits,
             c.staged_misses - misses,
             model.scheduler.stats.steps - queued,
+            waits,
         )
 
-    plain, staged, hits, misses, queued = run(main())
+    plain, staged, hits, misses, queued, (counts, seconds) = run(main())
     assert staged == plain
     assert hits == steps - 1  # every pass after the prompt's found its pass staged
     assert misses == 1  # the one staged after the last pass, dropped at close
     assert steps <= queued <= steps + 1  # no step queued twice: a hit awaits the staged one
+    # queueing time (bench/forward_pass.py's): the prompt's pass queued, every hit too, each
+    # from its execute to the worker's start of its pass (never below zero)
+    assert counts["queue: a hand-built pass, execute to its pass's start"] == 1
+    assert counts["queue: a hand-built pass, execute to its pass's start (staged hit)"] == hits
+    assert all(v >= 0 for k, v in seconds.items() if k.startswith("queue: "))
 
 
 def test_staged_pass_misses_fall_back_to_the_same_tokens(qwen):
