@@ -228,7 +228,8 @@ class HostCallTimer:
         # Every entry from wasm into Python is timed around its whole cost, the value
         # conversions (value_codec) included: host functions enter through typed_funcs'
         # callback (``call_entry``, wrapped in a timed callback of its own), resource drops
-        # through wasmtime-py's ``catch_exceptions``.
+        # through its ``drop_entry`` (likewise), wasmtime's own resources' drops through
+        # wasmtime-py's ``catch_exceptions``.
         import wasmtime.component._linker as wl
         from wasmtime import _ffi as ffi
 
@@ -243,8 +244,8 @@ class HostCallTimer:
                 rec[2] += dc
 
         self._wl, self._tf = wl, tf
-        self._real_catch, self._real_call = wl.catch_exceptions, tf._call
-        real_catch, real_entry = self._real_catch, tf.call_entry
+        self._real_catch, self._real_call, self._real_drop = wl.catch_exceptions, tf._call, tf._drop
+        real_catch, real_entry, real_drop = self._real_catch, tf.call_entry, tf.drop_entry
 
         def catch_exceptions(context, run):
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -260,11 +261,20 @@ class HostCallTimer:
             finally:
                 count(t0, c0)
 
+        def timed_drop(*a):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return real_drop(*a)
+            finally:
+                count(t0, c0)
+
         self._timed_call = ffi.wasmtime_component_func_callback_t(timed_entry)  # kept alive
+        self._timed_drop = tf._drop_t(timed_drop)
         pw.host_function = host_function
         InferletRuntime.run = run
         wl.catch_exceptions = catch_exceptions
         tf._call = self._timed_call  # runs linked from now on enter through it
+        tf._drop = self._timed_drop
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -272,6 +282,7 @@ class HostCallTimer:
         self._rt_cls.run = self._real_run
         self._wl.catch_exceptions = self._real_catch
         self._tf._call = self._real_call
+        self._tf._drop = self._real_drop
 
     def snapshot(self) -> tuple[dict[str, tuple[int, float, float]], float]:
         with self._lock:
@@ -343,8 +354,7 @@ def profile(model, rt, wasm: Path, ids: list[int], steps: int, rounds: int) -> d
                     best["wasm_to_python_entries"] = {
                         **entries,
                         "what": "every entry from wasm into Python: the typed callback (arguments "
-                        "and result converted by value_codec) around a host function, or a resource drop "
-                        "(wasmtime-py's)",
+                        "and result converted by value_codec) around a host function, or a resource drop",
                     }
     assert best is not None
     return best

@@ -49,7 +49,7 @@ from inferlets.host.pie_mcp.client import Client
 from inferlets.host.pie_mcp.types import McpTypes
 from inferlets.host.pie_zo.zo import Zo
 from inferlets.host.state import RunState
-from inferlets.host.typed_funcs import add_typed_func, typed_codecs
+from inferlets.host.typed_funcs import add_host_resource, add_typed_func, typed_codecs
 from inferlets.host.value_codec import Lift, Lower
 from inferlets.host.wasi.poll import Waiter
 from inferlets.host.wasi.streams import IoError, OutputStream
@@ -346,15 +346,12 @@ def link_pie_world(engine: wasmtime.Engine, plan: PieLinkPlan, host: PieHost) ->
     table = host.table
     check = host.state.check
 
-    def drop(store: Any, rep: int) -> None:
-        table.drop(rep)
-
     with linker.root() as root:
         for link in plan.instances:
             iface = link.iface_cls(host)
             with root.add_instance(link.link_name) as inst:
                 for rname, type_id in link.resources:
-                    inst.add_resource(rname, wc.ResourceType.host(type_id), drop)
+                    add_host_resource(inst, rname, type_id, table.drop)
                 for f in link.funcs:
                     method = getattr(iface, f.attr) if f.attr is not None else None
                     fn = host_function(link.base, f.name, method, f.shape, table, check, on_trap)

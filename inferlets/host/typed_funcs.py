@@ -56,6 +56,55 @@ def _forget(idx):  # type: ignore[no-untyped-def]
     _FUNCS.pop(idx or 0, None)
 
 
+# -- resources ----------------------------------------------------------------------------------
+
+_drop_t = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32)
+_add_resource = gil_held("wasmtime_component_linker_instance_add_resource")  # a function object of its own
+_add_resource.argtypes = [
+    *_add_resource.argtypes[:4],
+    _drop_t,  # the store's context as a plain address: a drop does not look at it
+    *_add_resource.argtypes[5:],
+]
+_DROPS: dict[int, Callable[[int], None]] = {}
+
+
+def drop_entry(idx, context, rep):  # type: ignore[no-untyped-def]
+    """A host resource's destructor, entered from wasm when the guest drops its handle:
+    ``on_drop(rep)``, with no ``StoreContext`` made and none of wasmtime-py's closures
+    (a Pie inferlet drops three handles a token)."""
+    try:
+        _DROPS[idx or 0](rep)
+    except Exception as e:  # noqa: BLE001 - re-raised by wasmtime-py where the guest was entered
+        _enter.LAST_EXCEPTION = e
+        return ctypes.cast(WasmtimeError("python exception")._consume(), ctypes.c_void_p).value
+    return 0
+
+
+_drop = _drop_t(drop_entry)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _forget_drop(idx):  # type: ignore[no-untyped-def]
+    _DROPS.pop(idx or 0, None)
+
+
+def add_host_resource(
+    inst: wc.LinkerInstance, name: str, type_id: int, on_drop: Callable[[int], None]
+) -> None:
+    """``inst.add_resource(name, ResourceType.host(type_id), dtor)`` with a leaner entry:
+    ``on_drop(rep)`` is called when the guest drops a handle of it."""
+    idx = next(_ids)
+    _DROPS[idx] = on_drop
+    raw = name.encode("utf-8")
+    ty = wc.ResourceType.host(type_id)
+    err = _add_resource(
+        inst.ptr(), ctypes.create_string_buffer(raw), len(raw), ty.ptr(), _drop, idx, _forget_drop
+    )
+    if err:
+        _DROPS.pop(idx, None)
+        raise WasmtimeError._from_ptr(err)
+
+
 def typed_codecs(ftype: wc.FuncType, *, raw_resources: bool = False) -> tuple[list[Lift], Lower | None]:
     """The lifts of ``ftype``'s parameters and the lower of its result (built once per type).
     ``raw_resources``: ``own`` / ``borrow`` parameters come as ``RawHandle``s (their host
