@@ -247,26 +247,18 @@ class HostCallTimer:
         self._real_catch, self._real_call, self._real_drop = wl.catch_exceptions, tf._call, tf._drop
         real_catch, real_entry, real_drop = self._real_catch, tf.call_entry, tf.drop_entry
 
-        def catch_exceptions(context, run):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return real_catch(context, run)
-            finally:
-                count(t0, c0)
+        def timed(real):
+            def entry(*a):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    return real(*a)
+                finally:
+                    count(t0, c0)
 
-        def timed_entry(*a):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return real_entry(*a)
-            finally:
-                count(t0, c0)
+            return entry
 
-        def timed_drop(*a):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return real_drop(*a)
-            finally:
-                count(t0, c0)
+        catch_exceptions = timed(real_catch)
+        timed_entry, timed_drop = timed(real_entry), timed(real_drop)
 
         self._timed_call = ffi.wasmtime_component_func_callback_t(timed_entry)  # kept alive
         self._timed_drop = tf._drop_t(timed_drop)
