@@ -28,6 +28,25 @@ from inferlets.host.limits import RunLimits
 POLL_S = 0.05
 
 
+def forwarded(coro: Coroutine[Any, Any, Any]) -> tuple[Coroutine[Any, Any, None], concurrent.futures.Future]:
+    """``coro`` wrapped to hand its outcome to the returned future, which a thread other
+    than the loop's waits on. Handed on from inside the task, not from a done-callback:
+    that would take one more turn of the loop before the waiting thread wakes."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    out.set_running_or_notify_cancel()
+
+    async def run() -> None:
+        try:
+            out.set_result(await coro)
+        except asyncio.CancelledError:
+            out.set_exception(concurrent.futures.CancelledError("cancelled before it ended"))
+            raise
+        except BaseException as e:
+            out.set_exception(e)
+
+    return run(), out
+
+
 class RunState:
     def __init__(
         self,
@@ -187,21 +206,8 @@ class RunState:
         up), for work whose errors were checked on this thread first. Cancelling the future
         does not stop the coroutine (it would leave its context half-changed); the run's
         end does (its contexts close)."""
-        out: concurrent.futures.Future = concurrent.futures.Future()
-        out.set_running_or_notify_cancel()
-
-        async def run() -> None:
-            # The outcome is handed on from inside the task, not from a done-callback: that
-            # would take one more turn of the loop before the guest wakes.
-            try:
-                out.set_result(await coro)
-            except asyncio.CancelledError:
-                out.set_exception(concurrent.futures.CancelledError("cancelled before it ended"))
-                raise
-            except BaseException as e:
-                out.set_exception(e)
-
-        self.loop.call_soon_threadsafe(self.loop.create_task, run())
+        run, out = forwarded(coro)
+        self.loop.call_soon_threadsafe(self.loop.create_task, run)
         return out
 
     def on_loop(self, fn: Callable[..., Any], *a: Any, bounded: bool = True) -> Any:

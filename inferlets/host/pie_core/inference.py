@@ -21,6 +21,7 @@ from inferlets.host.binding import Interface, Resource, wit
 from inferlets.host.pie_core.context import ContextRes
 from inferlets.host.pie_core.model import ModelRes, TokenizerRes
 from inferlets.host.pie_core.types import HostFuture
+from inferlets.host.state import forwarded
 from inferlets.host.wasi.poll import Pollable
 from media import InvalidRequestError
 
@@ -291,23 +292,11 @@ class Inference(Interface):
         else:
 
             async def start() -> concurrent.futures.Future:
-                fp = build()
-                task = asyncio.ensure_future(fp.execute())
+                run, out = forwarded(build().execute())
+                asyncio.ensure_future(run)
                 await asyncio.sleep(0)  # the pass checks its inputs before its first wait
-                if task.done() and task.exception() is not None:
-                    raise task.exception()
-                out: concurrent.futures.Future = concurrent.futures.Future()
-
-                def done(t: asyncio.Future) -> None:
-                    if t.cancelled():
-                        out.set_exception(concurrent.futures.CancelledError("cancelled before it ended"))
-                    elif t.exception() is not None:
-                        out.set_exception(t.exception())
-                    else:
-                        out.set_result(t.result())
-
-                out.set_running_or_notify_cancel()
-                task.add_done_callback(done)
+                if out.done() and out.exception() is not None:
+                    raise out.exception()
                 return out
 
             fut = host.wait_for(start())
