@@ -98,6 +98,9 @@ class Scheduler:
         self._queued: deque[list[StepInput]] = deque()  # passes handed to the worker, in order
         self._queue_cv = threading.Condition()
         self._prelaunched: dict[int, Any] = {}  # id(steps) -> the runner's launched pass
+        self._wakers: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}
+        """Per loop: resolved by the next ``enqueue`` while ``_serve`` waits on a pass whose
+        steps were submitted ahead and still lack their successors (``_serve``)."""
 
     async def submit(self, step: StepInput) -> torch.Tensor | None:
         return await self.enqueue(step)
@@ -108,6 +111,9 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._pending.setdefault(loop, []).append((step, fut))
+        waker = self._wakers.pop(loop, None)
+        if waker is not None and not waker.done():
+            waker.set_result(None)
         if loop not in self._serving:
             self._serving.add(loop)
             task = loop.create_task(self._serve(loop))
@@ -274,6 +280,16 @@ class Scheduler:
         }
         return bool(followed) and all(id(s) in followed or f.done() for s, f in running)
 
+    def _may_be_followed(
+        self, loop: asyncio.AbstractEventLoop, running: list[tuple[StepInput, asyncio.Future]]
+    ) -> bool:
+        """Whether the running pass holds steps submitted ahead of their tokens (``after``)
+        that its caller still waits for, and not all of its steps have successors waiting
+        yet (``_may_overlap`` would cut them beside it once they have)."""
+        return any(s.after is not None and not f.done() for s, f in running) and not self._may_overlap(
+            loop, running
+        )
+
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
         running: deque[tuple[list[tuple[StepInput, asyncio.Future]], asyncio.Future, list[float]]] = deque()
         try:
@@ -308,6 +324,19 @@ class Scheduler:
                         if step.after is not None and not step.after.dispatched:
                             step.after.skipped = step.after.dispatched = True
                     continue
+                head = running[0]
+                if len(running) == 1 and self._may_be_followed(loop, head[0]):
+                    # Its steps were submitted ahead (staged passes) and their successors
+                    # are still to come: a hand-built pass stages the next when it claims
+                    # the staged one, while that one runs. Cut them beside it as they come
+                    # (a waker ``enqueue`` resolves), not after it: the worker then goes
+                    # from pass to pass without waiting for the host.
+                    waker = self._wakers[loop] = loop.create_future()
+                    head[1].add_done_callback(lambda _, w=waker: w.done() or w.set_result(None))
+                    await waker
+                    self._wakers.pop(loop, None)
+                    if not head[1].done():
+                        continue
                 batch, pending, ended = running.popleft()
                 try:
                     results = await pending
@@ -335,6 +364,7 @@ class Scheduler:
                 await asyncio.sleep(0)
         finally:
             self._serving.discard(loop)
+            self._wakers.pop(loop, None)
 
 
 def _drawn(step: StepInput) -> int | None:

@@ -548,7 +548,13 @@ def test_staged_passes_hit_and_give_the_same_tokens(qwen):
     async def main():
         c = model.counters
         plain = await _decode_by_hand(model, ids, steps, speculate=False)
-        hits, misses, queued = c.staged_hits, c.staged_misses, model.scheduler.stats.steps
+        stats = model.scheduler.stats
+        hits, misses, queued, overlapped = (
+            c.staged_hits,
+            c.staged_misses,
+            stats.steps,
+            stats.overlapped_passes,
+        )
         with step_timing.TIMING.recording() as timing:
             staged = await _decode_by_hand(model, ids, steps, speculate=True)
             waits = dict(timing.counts), dict(timing.seconds)
@@ -557,11 +563,12 @@ def test_staged_passes_hit_and_give_the_same_tokens(qwen):
             staged,
             c.staged_hits - hits,
             c.staged_misses - misses,
-            model.scheduler.stats.steps - queued,
+            stats.steps - queued,
+            stats.overlapped_passes - overlapped,
             waits,
         )
 
-    plain, staged, hits, misses, queued, (counts, seconds) = run(main())
+    plain, staged, hits, misses, queued, overlapped, (counts, seconds) = run(main())
     assert staged == plain
     assert hits == steps - 1  # every pass after the prompt's found its pass staged
     assert misses == 1  # the one staged after the last pass, dropped at close
@@ -571,6 +578,37 @@ def test_staged_passes_hit_and_give_the_same_tokens(qwen):
     assert counts["queue: a hand-built pass, execute to its pass's start"] == 1
     assert counts["queue: a hand-built pass, execute to its pass's start (staged hit)"] == hits
     assert all(v >= 0 for k, v in seconds.items() if k.startswith("queue: "))
+    # a pass staged when its predecessor is claimed goes to the worker beside that one while
+    # it runs (the scheduler wakes for it), not after: here a pass (~1 ms) outlasts the
+    # caller's turn (~0.1 ms), so nearly every staged pass overlaps (1 without the wake)
+    assert overlapped >= hits // 2, (overlapped, hits)
+
+
+def test_a_late_claim_finds_the_next_pass_staged_beside_the_running_one(qwen):
+    """A caller that takes its time between passes (an inferlet's guest: its turn runs on
+    another thread) claims the staged pass while that pass runs; the pass it stages then
+    must go to the worker beside the running one, not after it (the scheduler wakes for
+    it), so the worker goes from pass to pass and the next claim waits for no queue."""
+    model = qwen
+    ids = _ids(model)
+    steps = 16
+
+    async def late(ctx, i, pending):
+        for _ in range(3):  # past the scheduler's own turn after a pass, well within a pass
+            await asyncio.sleep(0)
+        return pending
+
+    async def main():
+        c, stats = model.counters, model.scheduler.stats
+        plain = await _decode_by_hand(model, ids, steps, speculate=False)
+        hits, overlapped = c.staged_hits, stats.overlapped_passes
+        staged = await _decode_by_hand(model, ids, steps, speculate=True, detour=late)
+        return plain, staged, c.staged_hits - hits, stats.overlapped_passes - overlapped
+
+    plain, staged, hits, overlapped = run(main())
+    assert staged == plain
+    assert hits == steps - 1
+    assert overlapped >= hits // 2, (overlapped, hits)
 
 
 def test_staged_pass_misses_fall_back_to_the_same_tokens(qwen):
