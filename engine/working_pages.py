@@ -71,6 +71,13 @@ class WorkingPages:
         """Rows with K/V in working pages (computed, not committed)."""
         return self._n - self._table.committed_rows
 
+    def fits_reserved(self, rows: int) -> bool:
+        """Whether ``rows`` more rows fit in pages the context holds and no one else does:
+        a pass of them then takes nothing from the pool, so nothing another context does
+        meanwhile can refuse it (Pie's SDK reserves its working pages before each pass)."""
+        start = len(self._rows)
+        return self._table.pages_needed(start, start + rows) == 0
+
     def reserve_working_pages(self, n: int) -> None:
         self._check_idle("reserve working pages")
         n = check_int("pages to reserve", n, min=0)

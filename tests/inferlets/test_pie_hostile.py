@@ -157,11 +157,42 @@ MAIN = textwrap.dedent(
             fwd.sampler([len(tokens) - 1], Sampler.argmax()._variant)
             return fwd.execute()
 
-        first = execute(prompt[:2], n)
-        second = attempt(lambda: execute(prompt[2:3], n + 2))
+        long = (prompt * 200)[:1024]  # a pass that outlasts the guest's next few calls
+        ctx._handle.reserve_working_pages(1024 // ctx._handle.tokens_per_page() + 1)
+        first = execute(long, n)
+        second = attempt(lambda: execute(prompt[2:3], n + len(long)))
         out = await await_future(first, "the first pass failed")
-        fresh = await greedy(model, prompt + prompt[:2], 1)
+        fresh = await greedy(model, prompt + long, 1)
         return json.dumps({"second": second, "first": out.slots[0].value, "fresh": fresh[0]})
+
+
+    async def pool_full(input):
+        """A pass that needs pages the pool has not got (another context holds them all):
+        execute's error, caught; once they are given back the same pass runs."""
+        model = Model.load("tiny")
+        prompt = model.tokenizer().encode("The quick brown fox jumps over")
+        ctx = await prefilled(model, "The quick brown fox jumps over")
+        n = ctx.seq_len
+        hog, k, held = _ctx.Context.create(model._handle), 1 << 20, 0
+        while k:  # every page the pool has left
+            if attempt(lambda: hog.reserve_working_pages(k)) is None:
+                held += k
+            else:
+                k //= 2
+        extra = (prompt * 20)[:96]  # three pages' worth: more than the context holds
+
+        def execute():
+            fwd = _inf.ForwardPass(model._handle)
+            fwd.context(ctx._handle)
+            fwd.input_tokens(extra, list(range(n, n + len(extra))))
+            fwd.sampler([len(extra) - 1], Sampler.argmax()._variant)
+            return fwd.execute()
+
+        error = attempt(execute)
+        hog.destroy()
+        out = await await_future(execute(), "the pass failed")
+        fresh = await greedy(model, prompt + extra, 1)
+        return json.dumps({"held": held, "error": error, "first": out.slots[0].value, "fresh": fresh[0]})
 
 
     async def destroyed(input):
@@ -278,7 +309,7 @@ MAIN = textwrap.dedent(
         return str(len(big))
 
 
-    CASES = {f.__name__: f for f in (good, masks, commit, overlapping, destroyed, failing_call, forged, handles, launch, pull, push, receive, spin, sleep, memory)}
+    CASES = {f.__name__: f for f in (good, masks, commit, overlapping, pool_full, destroyed, failing_call, forged, handles, launch, pull, push, receive, spin, sleep, memory)}
 
 
     async def main(input: dict) -> str:
@@ -370,10 +401,21 @@ def test_committing_more_working_pages_than_are_full_is_refused(rt, wasm, servin
 
 
 def test_a_pass_executed_while_another_of_its_context_runs_is_refused(rt, wasm, serving) -> None:
-    """The first pass is handed to the loop without waiting for it (a quiet context); the
-    second, on the same context before the first answers, must still be execute's error."""
+    """The first pass (in pages reserved for it, on a quiet context) is handed to the loop
+    without waiting for it; the second, on the same context while the first runs, must
+    still be execute's error."""
     out = json.loads(run(rt, wasm, "overlapping"))
     assert "await it first" in out["second"], out["second"]
+    assert out["first"] == out["fresh"]
+
+
+def test_a_pass_the_pool_has_no_pages_for_is_executes_error(rt, wasm, serving) -> None:
+    """Pages are taken when the pass joins the batch, on the loop: a pass that needs fresh
+    ones is not handed over unchecked, so an exhausted pool is still ``execute``'s error
+    (the guest catches it), not a trap later."""
+    out = json.loads(run(rt, wasm, "pool_full"))
+    assert out["held"] > 0
+    assert out["error"] is not None and "KV pool exhausted" in out["error"], out["error"]
     assert out["first"] == out["fresh"]
 
 

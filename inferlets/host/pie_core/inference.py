@@ -280,12 +280,18 @@ class Inference(Interface):
                 fp.adapter(adapter)
             return fp
 
-        if adapter is None and res.quiet() and all(kind == "tokens" for kind, _, _ in p.inputs):
-            # The common pass (text rows, no adapter) on a context with none of its passes
-            # running: built and checked here, on the guest's thread, and handed to the loop
-            # without waiting for it (a hop less a token: bench/inferlet_tax.py). Nothing
-            # else changes the context meanwhile: the guest's other calls on it wait on the
-            # loop, behind this pass.
+        if (
+            adapter is None
+            and res.quiet()
+            and all(kind == "tokens" for kind, _, _ in p.inputs)
+            and ctx.fits_reserved(p.rows)
+        ):
+            # The common pass (text rows, no adapter, in pages the context has reserved) on
+            # a context with none of its passes running: built and checked here, on the
+            # guest's thread, and handed to the loop without waiting for it (a hop less a
+            # token: bench/inferlet_tax.py). Nothing else changes the context meanwhile
+            # (the guest's other calls on it wait on the loop, behind this pass), and it
+            # takes no page from the pool, so the loop cannot refuse it after this.
             fp = build()
             fp.check()
             fut = host.state.start_soon(fp.execute())
