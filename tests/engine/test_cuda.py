@@ -107,3 +107,57 @@ def test_device_fed_graph_passes_equal_the_plain_loop(qwen_head64):
     fed = greedy_texts(model, lengths)
     assert fed == unfed
     assert sched.stats.fed_passes > before, sched.stats
+
+
+async def _slots_of_one_pass(model: Model, ids: list[int]) -> tuple[list, int]:
+    """Every slot kind on the last row of one hand-built pass after ``ids``, and how many
+    forward passes the scheduler ran for it."""
+    from engine import Context, Slot
+
+    ctx = Context(model)
+    try:
+        await ctx.forward().input_tokens(ids[:-1]).execute()
+        passes = model.scheduler.stats.passes
+        fp = ctx.forward().input_tokens(ids[-1:])
+        slots = [
+            Slot.greedy(),
+            Slot.dist(1.0, 5),
+            Slot.dist(0.7, 3),
+            Slot.entropy(),
+            Slot.logprobs([1, 2, 3]),
+            Slot.raw_logits(),
+            Slot.embedding(),
+        ]
+        handles = [fp.sampler([0], s) for s in slots]
+        out = await fp.execute()
+        return [out[h] for h in handles], model.scheduler.stats.passes - passes
+    finally:
+        ctx.close()
+
+
+def check_slots_on_device(device: str, tiny_dir, name: str = TINY_QWEN) -> None:
+    """The slots of one pass on ``device`` equal the CPU model's (issue 40: several slots
+    from the one pass's logits, on the device): the token, the dists' ids, and the values
+    within fp32 reduction-order noise (GPU_ATOL on logits; 1e-4 on probabilities)."""
+    import asyncio
+
+    ref = Model.load(tiny_dir(name), kv_pages=64, device="cpu")
+    ours = Model.load(tiny_dir(name), kv_pages=64, device=device)
+    assert ours.device.type == torch.device(device).type
+    ids = SyncContext(ref).user("Name three colours, please.").cue().token_ids
+    (a, passes_a), (b, passes_b) = (asyncio.run(_slots_of_one_pass(m, ids)) for m in (ref, ours))
+    assert passes_a == passes_b == 1  # every slot from the one pass's logits
+    assert b[0].token == a[0].token
+    for i in (1, 2):
+        assert b[i].ids == a[i].ids
+        assert b[i].probs == pytest.approx(a[i].probs, abs=1e-4)
+    assert b[3].value == pytest.approx(a[3].value, abs=1e-3)
+    assert b[4].values == pytest.approx(a[4].values, abs=1e-3)
+    assert (b[5].logits.cpu() - a[5].logits.cpu()).abs().max().item() < GPU_ATOL
+    assert (b[6].vector.cpu() - a[6].vector.cpu()).abs().max().item() < GPU_ATOL
+
+
+def test_gpu_slots_of_one_pass_equal_the_cpu_ones(tiny_dir):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    check_slots_on_device("cuda", tiny_dir)
