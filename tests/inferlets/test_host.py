@@ -136,3 +136,52 @@ def test_the_epoch_ticks_only_while_a_run_is_in_flight(rt, wasm) -> None:
     idle = ticker.ticks
     time.sleep(0.3)
     assert ticker.ticks - idle <= 1  # at most the tick that was sleeping when the run ended
+
+
+def test_forwarded_hands_every_outcome_to_the_waiting_thread() -> None:
+    """``state.forwarded`` (how ``execute`` hands a pass's outcome to the guest's thread):
+    the result, the error, or a cancellation of the task each reach the future;
+    cancelling the future itself leaves the task running."""
+    import concurrent.futures
+    import threading
+
+    from inferlets.host.state import forwarded
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+
+        async def value() -> int:
+            await asyncio.sleep(0)
+            return 7
+
+        async def failing() -> None:
+            raise ValueError("bad pass")
+
+        async def forever() -> None:
+            await asyncio.sleep(3600)
+
+        def start(coro):
+            run, out = forwarded(coro)
+            task = asyncio.run_coroutine_threadsafe(_wrap(run), loop).result(5)
+            return task, out
+
+        async def _wrap(run):
+            return asyncio.ensure_future(run)
+
+        _, out = start(value())
+        assert out.result(5) == 7
+        _, out = start(failing())
+        with pytest.raises(ValueError, match="bad pass"):
+            out.result(5)
+        task, out = start(forever())
+        assert not out.cancel()  # running: the guest's drop does not stop the pass
+        assert not task.done()
+        loop.call_soon_threadsafe(task.cancel)
+        with pytest.raises(concurrent.futures.CancelledError):
+            out.result(5)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
