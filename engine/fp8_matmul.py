@@ -39,6 +39,7 @@ the tests use it to check the numerics. ``BLOCKWISE`` is CUDA-only.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -146,11 +147,9 @@ def unavailable(recipe: str, device: torch.device) -> str | None:
     if not hasattr(torch, "_scaled_mm"):
         return f"torch {torch.__version__} has no _scaled_mm"
     if device.type == "cpu":
-        return (
-            None
-            if recipe == ROWWISE
-            else "block-scaled fp8 matmul is CUDA-only (torch's CPU kernel: tensor-/row-wise)"
-        )
+        if recipe != ROWWISE:
+            return "block-scaled fp8 matmul is CUDA-only (torch's CPU kernel: tensor-/row-wise)"
+        return _cpu_rowwise_missing()
     if device.type != "cuda":
         return f"no fp8 scaled matmul on {device.type}"
     if torch.version.hip:
@@ -165,6 +164,18 @@ def unavailable(recipe: str, device: torch.device) -> str | None:
         return f"block scaling needs CUDA/cuBLASLt >= 12.9, torch was built with {torch.version.cuda}"
     if not hasattr(F, "scaled_mm") and not _torch_at_least(2, 9):
         return f"torch {torch.__version__} < 2.9 has no block-scaled _scaled_mm"
+    return None
+
+
+@functools.cache
+def _cpu_rowwise_missing() -> str | None:
+    """Why this torch's CPU row-wise ``_scaled_mm`` cannot run, or None: tried once on 16x16
+    operands (torch 2.11 has the function but no CPU kernel for it; 2.13 has one)."""
+    a, sa = quantize_rows(torch.ones(16, 16))
+    try:  # the weight side as Fp8RowwiseLinear passes it: (in, out) column-major, (1, out) scales
+        scaled_mm(ROWWISE, a, a.t(), sa, sa.t(), torch.bfloat16)
+    except (NotImplementedError, RuntimeError) as e:
+        return f"torch {torch.__version__} has no CPU row-wise _scaled_mm kernel ({type(e).__name__})"
     return None
 
 
