@@ -443,6 +443,17 @@ def chart_axes(page, model: str, chart: str) -> dict:
     return page.locator(f".chart[data-chart='{chart}'][data-model='{model}']").evaluate(CHART_AXES)
 
 
+def laid_out_axes(page, model: str, chart: str, timeout: float = 10) -> dict:
+    """``chart_axes`` once the chart has a layout: read while a refresh redraws it, its SVG
+    can measure 0 wide for a moment (a clean clone's CI read it so once)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        axes = chart_axes(page, model, chart)
+        if axes["width"] > 0 or time.monotonic() > deadline:
+            return axes
+        time.sleep(0.05)
+
+
 def value_at(axes: dict, y: float) -> float:
     """The value a point at height y stands for, read off the chart's own y ticks."""
     lo, hi = axes["yticks"][0], axes["yticks"][-1]
@@ -470,7 +481,7 @@ def test_server_panel_draws_live_charts(page, ui_server: UiServer, shot) -> None
 
     for model in (QWEN, "tiny-csm"):
         for chart in ("kv", "contexts", "cache", "ttft"):
-            axes = chart_axes(page, model, chart)
+            axes = laid_out_axes(page, model, chart)
             minutes = int(axes["span"].removeprefix("last ").removesuffix(" min"))
             assert axes["span"] == f"last {minutes} min" and 1 <= minutes <= 5 and axes["ylabel"], axes
             ys = axes["yticks"]
